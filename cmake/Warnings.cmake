@@ -1,0 +1,10 @@
+# Project-wide warnings; -Werror unless MOE_WERROR=OFF. Applied to our targets only
+# (via moe_target_warnings), never to generated protobuf code.
+set(MOE_WARNING_FLAGS -Wall -Wextra -Wpedantic -Wshadow=local -Wnon-virtual-dtor -Wno-unused-parameter)
+if(MOE_WERROR)
+  list(APPEND MOE_WARNING_FLAGS -Werror)
+endif()
+
+function(moe_target_warnings target)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${MOE_WARNING_FLAGS}>)
+endfunction()

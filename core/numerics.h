@@ -1,0 +1,159 @@
+// Scalar number formats of the numerics contract (DESIGN.md "Numerics").
+//
+// Everything here is exact bit manipulation: bf16 rounding is round-to-nearest-even,
+// MXFP4 (E2M1 + E8M0 scale) and FP8 E4M3 decode to the exact real value. Usable from
+// host code and CUDA device code.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MOE_HD __host__ __device__ __forceinline__
+#else
+#define MOE_HD inline
+#endif
+
+namespace moe {
+
+// Arithmetic precision of a forward pass.
+enum class Precision {
+  kBF16,  // default: bf16 operands, fp32 accumulation, bf16 rounding at the contract's points
+  kFP32,  // no intermediate rounding; for exactness tests
+};
+
+MOE_HD uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+MOE_HD float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// fp32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+MOE_HD uint16_t FloatToBf16Bits(float f) {
+  uint32_t u = FloatBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+MOE_HD float Bf16BitsToFloat(uint16_t b) { return BitsToFloat(static_cast<uint32_t>(b) << 16); }
+
+// The value of `f` rounded to bf16, kept in an fp32 register.
+MOE_HD float RoundToBf16(float f) { return Bf16BitsToFloat(FloatToBf16Bits(f)); }
+
+// Applies the precision's rounding to an fp32 result.
+MOE_HD float RoundTo(Precision p, float f) { return p == Precision::kBF16 ? RoundToBf16(f) : f; }
+
+// IEEE binary16 -> fp32 (exact).
+MOE_HD float HalfBitsToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  if (exp == 0) {
+    // zero or subnormal: man * 2^-24
+    const float v = static_cast<float>(man) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  if (exp == 31) return BitsToFloat(sign | 0x7f800000u | (man << 13));
+  return BitsToFloat(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// fp32 -> IEEE binary16 bits, round to nearest even (used to write .npy/fp16 tensors).
+MOE_HD uint16_t FloatToHalfBits(float f) {
+  const uint32_t u = FloatBits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (abs < 0x38800000u) {
+    // subnormal half: scale so the half ulp (2^-24) becomes an integer step, round to even.
+    const float a = BitsToFloat(abs) * 16777216.0f;  // exact: power-of-two scaling
+    const float r = std::nearbyint(a);               // default rounding mode: to nearest even
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(r));
+  }
+  uint32_t m = abs - 0x38000000u;  // rebias exponent 127 -> 15 (in the fp32 bit layout)
+  m += 0xfffu + ((m >> 13) & 1u);
+  return static_cast<uint16_t>(sign | (m >> 13));
+}
+
+// FP8 E4M3 ("e4m3fn": no infinities, S.1111.111 is NaN, max 448) -> fp32, exact.
+MOE_HD float Fp8E4m3ToFloat(uint8_t v) {
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
+  const uint32_t exp = (v >> 3) & 0xfu;
+  const uint32_t man = v & 0x7u;
+  if (exp == 0xf && man == 0x7) return BitsToFloat(sign | 0x7fc00000u);
+  if (exp == 0) {
+    const float s = static_cast<float>(man) * 0.001953125f;  // man * 2^-9
+    return sign ? -s : s;
+  }
+  return BitsToFloat(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// fp32 -> FP8 E4M3 bits, round to nearest even, saturating to +-448 (NaN -> NaN).
+MOE_HD uint8_t FloatToFp8E4m3(float f) {
+  const uint32_t u = FloatBits(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const float a = std::fabs(f);
+  if (a != a) return static_cast<uint8_t>(sign | 0x7f);
+  if (a >= 464.0f) return static_cast<uint8_t>(sign | 0x7e);  // 448 + half ulp(32): saturate
+  if (a < 0.015625f) {
+    // subnormal range: multiples of 2^-9
+    const float r = std::nearbyint(a * 512.0f);
+    return static_cast<uint8_t>(sign | static_cast<uint8_t>(r));  // r == 8 encodes 2^-6 exactly
+  }
+  uint32_t b = FloatBits(a);
+  b += 0x7ffffu + ((b >> 20) & 1u);  // round mantissa to 3 bits
+  const uint32_t exp = (b >> 23) - 120u;
+  const uint32_t man = (b >> 20) & 0x7u;
+  if (exp > 15 || (exp == 15 && man == 7)) return static_cast<uint8_t>(sign | 0x7e);
+  return static_cast<uint8_t>(sign | (exp << 3) | man);
+}
+
+// MXFP4 element: E2M1 nibble, bit 3 = sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
+MOE_HD float E2m1ToFloat(uint8_t nibble) {
+  const float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float m = kMagnitudes[nibble & 0x7u];
+  return (nibble & 0x8u) ? -m : m;
+}
+
+// MXFP4 block scale: E8M0, 2^(u8 - 127). 255 is NaN in the OCP MX spec.
+MOE_HD float E8m0ToFloat(uint8_t e) {
+  if (e == 0xff) return BitsToFloat(0x7fc00000u);
+  if (e == 0) return BitsToFloat(0x00400000u);  // 2^-127 (fp32 subnormal)
+  return BitsToFloat(static_cast<uint32_t>(e) << 23);
+}
+
+// One MXFP4 weight: element `k` of a row given its packed bytes and its block scales.
+MOE_HD float Mxfp4Element(const uint8_t* packed_row, const uint8_t* scale_row, int64_t k) {
+  const uint8_t byte = packed_row[k >> 1];
+  const uint8_t nibble = (k & 1) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xf);
+  return E2m1ToFloat(nibble) * E8m0ToFloat(scale_row[k >> 5]);
+}
+
+// SiTU ("situ"): beta * tanh(g / beta) * sigmoid(g) * linear_beta * tanh(u / linear_beta).
+// SiLU-GLU: g * sigmoid(g) * u. Both evaluated in fp32, as the contract says.
+enum class Activation { kSiTU, kSiLU };
+
+struct ActivationParams {
+  Activation kind = Activation::kSiLU;
+  float situ_beta = 4.0f;          // bound of the gate branch
+  float situ_linear_beta = 25.0f;  // bound of the linear branch
+};
+
+MOE_HD float Sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+MOE_HD float GluActivate(const ActivationParams& p, float g, float u) {
+  if (p.kind == Activation::kSiLU) return g * Sigmoid(g) * u;
+  const float a = p.situ_beta * std::tanh(g / p.situ_beta) * Sigmoid(g);
+  const float ub = p.situ_linear_beta * std::tanh(u / p.situ_linear_beta);
+  return a * ub;
+}
+
+}  // namespace moe

@@ -1,0 +1,137 @@
+// The compute backend interface: the only thing model math (model/) calls to do arithmetic.
+//
+// Activations are fp32 matrices in the backend's memory. In Precision::kBF16 every op rounds
+// its result to bf16 at the points DESIGN.md "Numerics" names (values stay in fp32 storage,
+// so they are exact bf16 numbers); in kFP32 nothing is rounded. GEMMs read bf16 operands
+// (kBF16) or fp32 operands (kFP32) and always accumulate in fp32.
+//
+// Backends: CPU (kernels/cpu) and CUDA (kernels/cuda). Both are tested op by op against the
+// plain reference loops in kernels/reference.h.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/numerics.h"
+#include "kernels/weights.h"
+
+namespace moe {
+
+// Row-major fp32 matrix view: element (r, c) at data[r * stride + c].
+struct MatrixView {
+  float* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t stride = 0;
+  float* Row(int64_t r) const { return data + r * stride; }
+};
+
+struct ConstMatrixView {
+  const float* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t stride = 0;
+  ConstMatrixView() = default;
+  ConstMatrixView(const float* d, int64_t r, int64_t c, int64_t s) : data(d), rows(r), cols(c), stride(s) {}
+  ConstMatrixView(const MatrixView& m)  // NOLINT: a mutable view is readable
+      : data(m.data), rows(m.rows), cols(m.cols), stride(m.stride) {}
+  const float* Row(int64_t r) const { return data + r * stride; }
+};
+
+// Router hyper-parameters (DESIGN.md "Numerics" step 1).
+struct RoutingParams {
+  int num_experts = 0;
+  int top_k = 0;
+  bool renormalize = true;             // w = s / (sum s + 1e-20)
+  float routed_scaling_factor = 1.0f;  // applied after renormalizing
+  // DeepSeek-V3 group-limited routing: experts split in n_group groups; a token may only
+  // choose experts of its topk_group best groups (group score: sum of its top-2 biased scores).
+  int n_group = 1;
+  int topk_group = 1;
+};
+
+// The rows a rank received, grouped by local expert (CSR). Row `rows[i]` of the rank's input
+// goes through local expert e for i in [offsets[e], offsets[e+1]) with weight gates[i].
+// Host memory: a small index built per step.
+struct ExpertAssignments {
+  std::vector<int32_t> offsets;  // [num_local_experts + 1]
+  std::vector<int32_t> rows;     // [num_assignments]
+  std::vector<float> gates;      // [num_assignments]
+  int num_experts() const { return offsets.empty() ? 0 : static_cast<int>(offsets.size()) - 1; }
+  int64_t num_assignments() const { return static_cast<int64_t>(rows.size()); }
+};
+
+// Owned memory in a backend's space.
+class DeviceBuffer {
+ public:
+  virtual ~DeviceBuffer() = default;
+  virtual void* data() = 0;
+  virtual size_t size() const = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual MemorySpace space() const = 0;
+
+  // --- memory -----------------------------------------------------------------------------
+  virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t bytes) = 0;
+  virtual absl::Status CopyToBackend(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) = 0;
+  // Makes a host weight usable by this backend (device upload, or a kernel-friendly layout).
+  // The returned view stays valid as long as the backend lives; host views stay host views
+  // on the CPU backend (weights are read in place from the memory-mapped checkpoint).
+  virtual absl::StatusOr<WeightMatrix> PrepareWeight(const WeightMatrix& host) = 0;
+  virtual absl::StatusOr<WeightVector> PrepareVector(const WeightVector& host) = 0;
+  // Waits for all queued work.
+  virtual absl::Status Synchronize() = 0;
+
+  // --- ops --------------------------------------------------------------------------------
+  // y = round(x W^T). x: [M, W.cols], y: [M, W.rows].
+  virtual absl::Status Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y, Precision p) = 0;
+
+  // Router from fp32 logits [T, E]: s = sigmoid(logits); choose top_k of s + bias (ties: lower
+  // index); weights from s. ids/weights: [T, top_k], in descending order of biased score.
+  virtual absl::Status SelectExperts(ConstMatrixView logits, const float* bias, const RoutingParams& params,
+                                     int32_t* ids, float* weights) = 0;
+
+  // out = round(act(g, u)) elementwise. g, u, out: [M, N].
+  virtual absl::Status GluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
+                                     MatrixView out, Precision p) = 0;
+
+  // Grouped routed experts: for every assignment i of local expert e,
+  //   o_i = round(round(act(round(x[rows[i]] W1_e^T), round(x[rows[i]] W3_e^T))) W2_e^T)
+  // and y[r] = sum over the assignments of row r, in ascending expert order, of fp32(o_i) * gate_i
+  // (fp32, not rounded). Rows with no assignment get 0. x, y: [M, in].
+  virtual absl::Status ExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+                                 absl::Span<const MlpWeights> experts, const ActivationParams& act,
+                                 MatrixView y, Precision p) = 0;
+
+  // y = round(round(x * rsqrt(mean(x^2) + eps)) * weight), per row.
+  virtual absl::Status RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
+                               Precision p) = 0;
+
+  // y = round(a + b).
+  virtual absl::Status Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) = 0;
+
+  // y = round(y) in place.
+  virtual absl::Status Round(MatrixView y, Precision p) = 0;
+
+  // out[i] = x[rows[i]] (the dispatch gather). rows: host array of out.rows indices.
+  virtual absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows, MatrixView out) = 0;
+
+  // y[rows[i]] += partial[i] in fp32 (the combine). rows: host array of partial.rows indices.
+  virtual absl::Status ScatterAddRows(ConstMatrixView partial, absl::Span<const int32_t> rows,
+                                      MatrixView y) = 0;
+
+  // y = 0.
+  virtual absl::Status Zero(MatrixView y) = 0;
+};
+
+}  // namespace moe

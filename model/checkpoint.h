@@ -1,0 +1,76 @@
+// A MoE checkpoint: config.json + safetensors, with selective loading by layer and expert.
+//
+// Tensor names (DESIGN.md "Checkpoints"):
+//   K3: [language_model.]model.layers.{L}.block_sparse_moe.{gate.weight, gate.e_score_correction_bias,
+//       routed_expert_down_proj.weight, routed_expert_norm.weight, routed_expert_up_proj.weight,
+//       shared_experts.{gate,up,down}_proj.weight, experts.{e}.{w1,w3,w2}.{weight | weight_packed,weight_scale}}
+//   K2: model.layers.{L}.mlp.{gate.weight, gate.e_score_correction_bias,
+//       experts.{e}.{gate,up,down}_proj.{weight[, weight_scale_inv]}, shared_experts.{gate,up,down}_proj...}
+// Loaded weights are views into the memory-mapped files; they stay valid while the
+// Checkpoint lives.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/weights.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+namespace moe {
+
+// What the gateway holds for one layer: everything but the routed experts.
+struct GatewayLayerWeights {
+  int layer = 0;
+  WeightMatrix router;               // bf16 [E, H]
+  std::vector<float> router_bias;    // fp32 [E] (e_score_correction_bias; zeros when absent)
+  bool has_latent = false;
+  WeightMatrix latent_down;          // [Lat, H]   (K3)
+  WeightMatrix latent_up;            // [H, Lat]   (K3)
+  bool has_latent_norm = false;
+  WeightVector latent_norm;          // bf16 [Lat] (K3)
+  bool has_shared = false;
+  MlpWeights shared;                 // [S, H], [S, H], [H, S]
+  int64_t TotalBytes() const;
+};
+
+// A contiguous or explicit set of routed experts of one layer (what a rank holds).
+struct ExpertShardWeights {
+  int layer = 0;
+  std::vector<int> expert_ids;       // global expert ids, ascending
+  std::vector<MlpWeights> experts;   // same order
+  int64_t TotalBytes() const;
+};
+
+class Checkpoint {
+ public:
+  // Reads config.json and the safetensors headers/index; no tensor data.
+  static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
+
+  const MoeConfig& config() const { return config_; }
+  const std::string& dir() const { return dir_; }
+  const SafetensorsCheckpoint& tensors() const { return *tensors_; }
+
+  // MoE layers present in the files (subset of config().MoeLayerIndices()), ascending.
+  const std::vector<int>& layers() const { return layers_; }
+  bool HasLayer(int layer) const;
+
+  // Loads (maps and validates) the gateway's tensors of `layer`. NotFound for an absent layer.
+  absl::StatusOr<GatewayLayerWeights> LoadGatewayLayer(int layer) const;
+  // Loads the given routed experts of `layer`; errors name the missing/malformed tensor.
+  // `prefetch` asks the kernel to read their pages now instead of at first use.
+  absl::StatusOr<ExpertShardWeights> LoadExperts(int layer, const std::vector<int>& expert_ids,
+                                                 bool prefetch = false) const;
+
+ private:
+  Checkpoint() = default;
+  std::string dir_;
+  MoeConfig config_;
+  std::unique_ptr<SafetensorsCheckpoint> tensors_;
+  std::vector<int> layers_;
+  std::string prefix_format_;  // e.g. "language_model.model.layers.%d.block_sparse_moe."
+};
+
+}  // namespace moe

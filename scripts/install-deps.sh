@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs every Debian package the project needs to build, test, run the demo and
+# check its deployment files. The single list of dependencies: README and .ci/run use it.
+# Skips apt entirely when everything is already installed (fast re-runs, offline re-runs).
+set -euo pipefail
+
+PACKAGES=(
+  # build
+  build-essential cmake ninja-build pkg-config git
+  # service stack
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  prometheus-cpp-dev libcivetweb-dev nlohmann-json3-dev zlib1g-dev libssl-dev libc-ares-dev libre2-dev
+  # tests
+  libgtest-dev libgmock-dev
+  # CPU math (GEMM roofline reference)
+  libdnnl-dev
+  # independent reference, python client, plots
+  python3 python3-torch python3-numpy python3-grpcio python3-protobuf python3-matplotlib gnuplot-nox
+  # observability and deployment checks
+  prometheus yamllint docker-compose
+  # tooling
+  clang-format curl procps
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+echo "install-deps: installing ${#missing[@]} packages: ${missing[*]}"
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,54 @@
+#include "core/npy.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+TEST(NpyTest, Float32RoundTrip) {
+  const std::string path = ::testing::TempDir() + "/npy_roundtrip.npy";
+  std::vector<float> data = {1.5f, -2.25f, 3.0f, 1e-3f, 7.0f, -0.0f};
+  ASSERT_TRUE(WriteNpyFloat32(path, {2, 3}, data.data()).ok());
+  auto read = ReadNpy(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(read->data, data);
+  EXPECT_EQ(read->descr, "<f4");
+}
+
+TEST(NpyTest, Int32AndOneDimensional) {
+  const std::string path = ::testing::TempDir() + "/npy_ints.npy";
+  std::vector<int32_t> data = {3, -1, 7};
+  ASSERT_TRUE(WriteNpyInt32(path, {3}, data.data()).ok());
+  auto read = ReadNpy(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->shape, (std::vector<int64_t>{3}));
+  EXPECT_EQ(read->ints, data);
+}
+
+TEST(NpyTest, Float16Converted) {
+  const uint16_t halves[3] = {0x3c00, 0xc000, 0x3555};  // 1, -2, 0.33325
+  const std::string bytes = EncodeNpy("<f2", {3}, halves, sizeof(halves));
+  auto read = ParseNpy(bytes, "mem");
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->data[0], 1.0f);
+  EXPECT_EQ(read->data[1], -2.0f);
+  EXPECT_NEAR(read->data[2], 0.33325f, 1e-5);
+}
+
+TEST(NpyTest, MalformedInputsAreErrors) {
+  EXPECT_FALSE(ParseNpy("hello", "x").ok());
+  const float one = 1.0f;
+  std::string bytes = EncodeNpy("<f4", {2}, &one, 4);  // payload too short for shape (2,)
+  auto r = ParseNpy(bytes, "short.npy");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("short.npy"), std::string::npos);
+  EXPECT_FALSE(ParseNpy(EncodeNpy("<c8", {1}, "12345678", 8), "c").ok());
+  EXPECT_EQ(ReadNpy("/nonexistent/file.npy").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace moe
