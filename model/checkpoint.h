@@ -1,11 +1,14 @@
 // A MoE checkpoint: config.json + safetensors, with selective loading by layer and expert.
 //
 // Tensor names (DESIGN.md "Checkpoints"):
-//   K3: [language_model.]model.layers.{L}.block_sparse_moe.{gate.weight, gate.e_score_correction_bias,
+//   K3: [language_model.]model.layers.{L}.block_sparse_moe.{gate.weight,
+//   gate.e_score_correction_bias,
 //       routed_expert_down_proj.weight, routed_expert_norm.weight, routed_expert_up_proj.weight,
-//       shared_experts.{gate,up,down}_proj.weight, experts.{e}.{w1,w3,w2}.{weight | weight_packed,weight_scale}}
+//       shared_experts.{gate,up,down}_proj.weight, experts.{e}.{w1,w3,w2}.{weight |
+//       weight_packed,weight_scale}}
 //   K2: model.layers.{L}.mlp.{gate.weight, gate.e_score_correction_bias,
-//       experts.{e}.{gate,up,down}_proj.{weight[, weight_scale_inv]}, shared_experts.{gate,up,down}_proj...}
+//       experts.{e}.{gate,up,down}_proj.{weight[, weight_scale_inv]},
+//       shared_experts.{gate,up,down}_proj...}
 // Loaded weights are views into the memory-mapped files; they stay valid while the
 // Checkpoint lives.
 #pragma once
@@ -24,23 +27,23 @@ namespace moe {
 // What the gateway holds for one layer: everything but the routed experts.
 struct GatewayLayerWeights {
   int layer = 0;
-  WeightMatrix router;               // bf16 [E, H]
-  std::vector<float> router_bias;    // fp32 [E] (e_score_correction_bias; zeros when absent)
+  WeightMatrix router;             // bf16 [E, H]
+  std::vector<float> router_bias;  // fp32 [E] (e_score_correction_bias; zeros when absent)
   bool has_latent = false;
-  WeightMatrix latent_down;          // [Lat, H]   (K3)
-  WeightMatrix latent_up;            // [H, Lat]   (K3)
+  WeightMatrix latent_down;  // [Lat, H]   (K3)
+  WeightMatrix latent_up;    // [H, Lat]   (K3)
   bool has_latent_norm = false;
-  WeightVector latent_norm;          // bf16 [Lat] (K3)
+  WeightVector latent_norm;  // bf16 [Lat] (K3)
   bool has_shared = false;
-  MlpWeights shared;                 // [S, H], [S, H], [H, S]
+  MlpWeights shared;  // [S, H], [S, H], [H, S]
   int64_t TotalBytes() const;
 };
 
 // A contiguous or explicit set of routed experts of one layer (what a rank holds).
 struct ExpertShardWeights {
   int layer = 0;
-  std::vector<int> expert_ids;       // global expert ids, ascending
-  std::vector<MlpWeights> experts;   // same order
+  std::vector<int> expert_ids;      // global expert ids, ascending
+  std::vector<MlpWeights> experts;  // same order
   int64_t TotalBytes() const;
 };
 
@@ -69,8 +72,14 @@ class Checkpoint {
   std::string dir_;
   MoeConfig config_;
   std::unique_ptr<SafetensorsCheckpoint> tensors_;
+  // The MoE block's tensor-name prefix of `layer`, e.g.
+  // "language_model.model.layers.3.block_sparse_moe.".
+  std::string LayerPrefix(int layer) const;
+  absl::Status CheckLayer(int layer) const;
+
   std::vector<int> layers_;
-  std::string prefix_format_;  // e.g. "language_model.model.layers.%d.block_sparse_moe."
+  std::string prefix_head_;  // e.g. "language_model.model.layers."
+  std::string prefix_tail_;  // e.g. ".block_sparse_moe."
 };
 
 }  // namespace moe

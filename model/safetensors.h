@@ -10,7 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
 
@@ -56,6 +58,7 @@ class SafetensorsFile {
 
 // A checkpoint directory: `model.safetensors.index.json` + shards, or one `*.safetensors`.
 // Shards open lazily on first use, so a rank maps only the files holding its tensors.
+// Thread-safe: several threads may Find/load tensors concurrently.
 class SafetensorsCheckpoint {
  public:
   static absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> Open(const std::string& dir);
@@ -79,11 +82,15 @@ class SafetensorsCheckpoint {
   absl::StatusOr<const SafetensorsFile*> Shard(const std::string& file_name) const;
   std::string dir_;
   std::map<std::string, std::string> weight_map_;  // tensor -> shard file name
-  mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> shards_;
+  mutable absl::Mutex shards_mu_;
+  // Opened shards by file name; entries are never removed, so pointers to them stay valid.
+  mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> shards_
+      ABSL_GUARDED_BY(shards_mu_);
 };
 
 // Writes safetensors files. Tensors are appended in the order added and streamed to disk
-// (the writer never holds a whole shard in memory).
+// (the writer never holds a whole shard in memory). A writer destroyed before a successful
+// Finish removes its partial file.
 class SafetensorsWriter {
  public:
   struct PendingTensor {
@@ -99,15 +106,22 @@ class SafetensorsWriter {
   ~SafetensorsWriter();
   // Appends bytes of the current tensor; may be called several times per tensor.
   absl::Status Write(absl::Span<const uint8_t> bytes);
-  // Checks every declared byte was written and closes the file.
+  // Checks every declared byte was written, fsyncs and closes the file.
   absl::Status Finish();
+
+  uint64_t written_bytes() const { return written_bytes_; }
+  uint64_t expected_bytes() const { return expected_bytes_; }
 
  private:
   SafetensorsWriter() = default;
+  absl::Status WriteFully(const uint8_t* data, size_t size);
+  absl::Status Flush();
   std::string path_;
   int fd_ = -1;
   uint64_t expected_bytes_ = 0;
   uint64_t written_bytes_ = 0;
+  // Small writes are gathered here so the file sees large `write` calls.
+  std::vector<uint8_t> buffer_;
 };
 
 }  // namespace moe
