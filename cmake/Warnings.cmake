@@ -1,5 +1,7 @@
 # Project-wide warnings; -Werror unless MOE_WERROR=OFF. Applied to our targets only
 # (via moe_target_warnings), never to generated protobuf code.
+# -ffp-contract=off: the numerics contract fixes every fp32 rounding (no silent FMA contraction).
+add_compile_options($<$<COMPILE_LANGUAGE:CXX,C>:-ffp-contract=off>)
 set(MOE_WARNING_FLAGS -Wall -Wextra -Wpedantic -Wshadow=local -Wnon-virtual-dtor -Wno-unused-parameter)
 if(MOE_WERROR)
   list(APPEND MOE_WARNING_FLAGS -Werror)

@@ -10,9 +10,9 @@ struct DTypeEntry {
   size_t size;
 };
 constexpr DTypeEntry kDTypes[] = {
-    {DType::kBF16, "BF16", 2},      {DType::kF16, "F16", 2}, {DType::kF32, "F32", 4},
-    {DType::kF64, "F64", 8},        {DType::kF8E4M3, "F8_E4M3", 1}, {DType::kU8, "U8", 1},
-    {DType::kI8, "I8", 1},          {DType::kI32, "I32", 4}, {DType::kI64, "I64", 8},
+    {DType::kBF16, "BF16", 2}, {DType::kF16, "F16", 2},        {DType::kF32, "F32", 4},
+    {DType::kF64, "F64", 8},   {DType::kF8E4M3, "F8_E4M3", 1}, {DType::kU8, "U8", 1},
+    {DType::kI8, "I8", 1},     {DType::kI32, "I32", 4},        {DType::kI64, "I64", 8},
     {DType::kBool, "BOOL", 1},
 };
 }  // namespace

@@ -56,12 +56,14 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
   const uint8_t major = static_cast<uint8_t>(bytes[6]);
   size_t header_len, header_start;
   if (major == 1) {
-    header_len = static_cast<uint8_t>(bytes[8]) | (static_cast<size_t>(static_cast<uint8_t>(bytes[9])) << 8);
+    header_len =
+        static_cast<uint8_t>(bytes[8]) | (static_cast<size_t>(static_cast<uint8_t>(bytes[9])) << 8);
     header_start = 10;
   } else if (major == 2 || major == 3) {
     if (bytes.size() < 12) return Malformed(what, "truncated header");
     header_len = 0;
-    for (int i = 0; i < 4; ++i) header_len |= static_cast<size_t>(static_cast<uint8_t>(bytes[8 + i])) << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      header_len |= static_cast<size_t>(static_cast<uint8_t>(bytes[8 + i])) << (8 * i);
     header_start = 12;
   } else {
     return Malformed(what, absl::StrCat("unsupported version ", major));
@@ -90,14 +92,18 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
   const size_t payload_bytes = bytes.size() - header_start - header_len;
 
   size_t elem;
-  if (descr == "<f4" || descr == "<i4") elem = 4;
-  else if (descr == "<f2") elem = 2;
-  else if (descr == "<f8" || descr == "<i8") elem = 8;
+  if (descr == "<f4" || descr == "<i4")
+    elem = 4;
+  else if (descr == "<f2")
+    elem = 2;
+  else if (descr == "<f8" || descr == "<i8")
+    elem = 8;
   else
     return absl::InvalidArgumentError(absl::StrCat(what, ": unsupported .npy dtype '", descr,
                                                    "' (float16, float32, float64, int32, int64)"));
   if (payload_bytes != static_cast<size_t>(n) * elem)
-    return Malformed(what, absl::StrCat("payload is ", payload_bytes, " bytes, shape needs ", n * elem));
+    return Malformed(what,
+                     absl::StrCat("payload is ", payload_bytes, " bytes, shape needs ", n * elem));
 
   if (descr == "<f4") {
     out.data.resize(n);
@@ -141,7 +147,9 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
 std::string EncodeNpy(const std::string& descr, const std::vector<int64_t>& shape, const void* data,
                       size_t bytes) {
   std::string shape_text = "(";
-  for (size_t i = 0; i < shape.size(); ++i) absl::StrAppend(&shape_text, shape[i], shape.size() == 1 ? "," : (i + 1 < shape.size() ? ", " : ""));
+  for (size_t i = 0; i < shape.size(); ++i)
+    absl::StrAppend(&shape_text, shape[i],
+                    shape.size() == 1 ? "," : (i + 1 < shape.size() ? ", " : ""));
   shape_text += ")";
   std::string header =
       absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': ", shape_text, ", }");
@@ -173,11 +181,13 @@ int64_t Product(const std::vector<int64_t>& shape) {
 }
 }  // namespace
 
-absl::Status WriteNpyFloat32(const std::string& path, const std::vector<int64_t>& shape, const float* data) {
+absl::Status WriteNpyFloat32(const std::string& path, const std::vector<int64_t>& shape,
+                             const float* data) {
   return WriteBytes(path, EncodeNpy("<f4", shape, data, Product(shape) * 4));
 }
 
-absl::Status WriteNpyInt32(const std::string& path, const std::vector<int64_t>& shape, const int32_t* data) {
+absl::Status WriteNpyInt32(const std::string& path, const std::vector<int64_t>& shape,
+                           const int32_t* data) {
   return WriteBytes(path, EncodeNpy("<i4", shape, data, Product(shape) * 4));
 }
 

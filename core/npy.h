@@ -13,9 +13,9 @@ namespace moe {
 // float64 inputs are converted exactly / rounded); integer arrays go through `ints`.
 struct NpyArray {
   std::vector<int64_t> shape;
-  std::vector<float> data;     // for float arrays
-  std::vector<int32_t> ints;   // for int32 arrays (routing ids)
-  std::string descr;           // dtype as read: "<f4", "<f2", "<f8", "<i4", ...
+  std::vector<float> data;    // for float arrays
+  std::vector<int32_t> ints;  // for int32 arrays (routing ids)
+  std::string descr;          // dtype as read: "<f4", "<f2", "<f8", "<i4", ...
   int64_t num_elements() const;
 };
 

@@ -48,6 +48,24 @@ MOE_HD float Bf16BitsToFloat(uint16_t b) { return BitsToFloat(static_cast<uint32
 // The value of `f` rounded to bf16, kept in an fp32 register.
 MOE_HD float RoundToBf16(float f) { return Bf16BitsToFloat(FloatToBf16Bits(f)); }
 
+// fp64 -> nearest bf16 value (ties to even) in one rounding, kept in fp32.
+MOE_HD float RoundDoubleToBf16(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof(u));
+  if ((u & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return BitsToFloat(0x7fc00000u);
+  // Keep 7 explicit mantissa bits of the 52: round at bit 45, ties to even.
+  u += ((uint64_t{1} << 44) - 1) + ((u >> 45) & 1u);
+  u &= ~((uint64_t{1} << 45) - 1);
+  double r;
+  std::memcpy(&r, &u, sizeof(r));
+  return static_cast<float>(r);  // exact: 8 significant bits (inf when out of range)
+}
+
+// fp64 -> the precision's format in one rounding.
+MOE_HD float RoundDoubleTo(Precision p, double d) {
+  return p == Precision::kBF16 ? RoundDoubleToBf16(d) : static_cast<float>(d);
+}
+
 // Applies the precision's rounding to an fp32 result.
 MOE_HD float RoundTo(Precision p, float f) { return p == Precision::kBF16 ? RoundToBf16(f) : f; }
 
@@ -133,7 +151,8 @@ MOE_HD float E8m0ToFloat(uint8_t e) {
 // One MXFP4 weight: element `k` of a row given its packed bytes and its block scales.
 MOE_HD float Mxfp4Element(const uint8_t* packed_row, const uint8_t* scale_row, int64_t k) {
   const uint8_t byte = packed_row[k >> 1];
-  const uint8_t nibble = (k & 1) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xf);
+  const uint8_t nibble =
+      (k & 1) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xf);
   return E2m1ToFloat(nibble) * E8m0ToFloat(scale_row[k >> 5]);
 }
 

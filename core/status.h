@@ -15,10 +15,10 @@
 #define MOE_STATUS_CONCAT(a, b) MOE_STATUS_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define RETURN_IF_ERROR(expr)                            \
-  do {                                                   \
-    ::absl::Status moe_status_ = (expr);                 \
-    if (!moe_status_.ok()) return moe_status_;           \
+#define RETURN_IF_ERROR(expr)                  \
+  do {                                         \
+    ::absl::Status moe_status_ = (expr);       \
+    if (!moe_status_.ok()) return moe_status_; \
   } while (0)
 
 // `lhs = value of expr` when OK, otherwise returns its status.
@@ -41,8 +41,8 @@ inline absl::Status Annotate(const absl::Status& status, absl::string_view conte
 }  // namespace moe
 
 // Like RETURN_IF_ERROR, adding context to the message on the way out.
-#define RETURN_IF_ERROR_CTX(expr, context)                         \
-  do {                                                             \
-    ::absl::Status moe_status_ = (expr);                           \
+#define RETURN_IF_ERROR_CTX(expr, context)                               \
+  do {                                                                   \
+    ::absl::Status moe_status_ = (expr);                                 \
     if (!moe_status_.ok()) return ::moe::Annotate(moe_status_, context); \
   } while (0)

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,26 +23,29 @@
 
 namespace moe {
 
-// Row-major fp32 matrix view: element (r, c) at data[r * stride + c].
-struct MatrixView {
-  float* data = nullptr;
+// Row-major matrix view: element (r, c) at data[r * stride + c]. A View2D<T> converts to
+// View2D<const T>.
+template <typename T>
+struct View2D {
+  T* data = nullptr;
   int64_t rows = 0;
   int64_t cols = 0;
   int64_t stride = 0;
-  float* Row(int64_t r) const { return data + r * stride; }
+  View2D() = default;
+  View2D(T* d, int64_t r, int64_t c, int64_t s) : data(d), rows(r), cols(c), stride(s) {}
+  template <typename U, typename = std::enable_if_t<std::is_same_v<const U, T>>>
+  View2D(const View2D<U>& m)  // NOLINT: a mutable view is readable
+      : data(m.data), rows(m.rows), cols(m.cols), stride(m.stride) {}
+  T* Row(int64_t r) const { return data + r * stride; }
 };
 
-struct ConstMatrixView {
-  const float* data = nullptr;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  int64_t stride = 0;
-  ConstMatrixView() = default;
-  ConstMatrixView(const float* d, int64_t r, int64_t c, int64_t s) : data(d), rows(r), cols(c), stride(s) {}
-  ConstMatrixView(const MatrixView& m)  // NOLINT: a mutable view is readable
-      : data(m.data), rows(m.rows), cols(m.cols), stride(m.stride) {}
-  const float* Row(int64_t r) const { return data + r * stride; }
-};
+using MatrixView = View2D<float>;  // activations
+using ConstMatrixView = View2D<const float>;
+// fp64 partial sums of routed experts. NOTES: each term fp32(o) * gate is exact in fp64, so
+// fp64 sums make the combine independent of how experts are split over ranks and replicas
+// (to 2^-53); it is rounded once, straight to bf16 (or fp32), by RoundPartials.
+using PartialView = View2D<double>;
+using ConstPartialView = View2D<const double>;
 
 // Router hyper-parameters (DESIGN.md "Numerics" step 1).
 struct RoutingParams {
@@ -94,44 +98,49 @@ class Backend {
 
   // --- ops --------------------------------------------------------------------------------
   // y = round(x W^T). x: [M, W.cols], y: [M, W.rows].
-  virtual absl::Status Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y, Precision p) = 0;
+  virtual absl::Status Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
+                              Precision p) = 0;
 
   // Router from fp32 logits [T, E]: s = sigmoid(logits); choose top_k of s + bias (ties: lower
   // index); weights from s. ids/weights: [T, top_k], in descending order of biased score.
-  virtual absl::Status SelectExperts(ConstMatrixView logits, const float* bias, const RoutingParams& params,
-                                     int32_t* ids, float* weights) = 0;
+  virtual absl::Status SelectExperts(ConstMatrixView logits, const float* bias,
+                                     const RoutingParams& params, int32_t* ids, float* weights) = 0;
 
   // out = round(act(g, u)) elementwise. g, u, out: [M, N].
-  virtual absl::Status GluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
-                                     MatrixView out, Precision p) = 0;
+  virtual absl::Status GluActivation(ConstMatrixView g, ConstMatrixView u,
+                                     const ActivationParams& act, MatrixView out, Precision p) = 0;
 
   // Grouped routed experts: for every assignment i of local expert e,
   //   o_i = round(round(act(round(x[rows[i]] W1_e^T), round(x[rows[i]] W3_e^T))) W2_e^T)
-  // and y[r] = sum over the assignments of row r, in ascending expert order, of fp32(o_i) * gate_i
-  // (fp32, not rounded). Rows with no assignment get 0. x, y: [M, in].
+  // and y[r] = sum over the assignments of row r, in ascending expert order, of
+  // fp32(o_i) * gate_i, accumulated in fp64. Rows with no assignment get 0. x: [M, in].
   virtual absl::Status ExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
                                  absl::Span<const MlpWeights> experts, const ActivationParams& act,
-                                 MatrixView y, Precision p) = 0;
+                                 PartialView y, Precision p) = 0;
 
   // y = round(round(x * rsqrt(mean(x^2) + eps)) * weight), per row.
-  virtual absl::Status RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
-                               Precision p) = 0;
+  virtual absl::Status RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps,
+                               MatrixView y, Precision p) = 0;
 
   // y = round(a + b).
   virtual absl::Status Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) = 0;
 
-  // y = round(y) in place.
+  // y = round(y) in place (the layer input in bf16 mode).
   virtual absl::Status Round(MatrixView y, Precision p) = 0;
 
-  // out[i] = x[rows[i]] (the dispatch gather). rows: host array of out.rows indices.
-  virtual absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows, MatrixView out) = 0;
+  // out = round(y): fp64 partial sums to bf16 (one rounding) or fp32.
+  virtual absl::Status RoundPartials(ConstPartialView y, MatrixView out, Precision p) = 0;
 
-  // y[rows[i]] += partial[i] in fp32 (the combine). rows: host array of partial.rows indices.
-  virtual absl::Status ScatterAddRows(ConstMatrixView partial, absl::Span<const int32_t> rows,
-                                      MatrixView y) = 0;
+  // out[i] = x[rows[i]] (the dispatch gather). rows: host array of out.rows indices.
+  virtual absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
+                                  MatrixView out) = 0;
+
+  // y[rows[i]] += partial[i] in fp64 (the combine). rows: host array of partial.rows indices.
+  virtual absl::Status ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
+                                      PartialView y) = 0;
 
   // y = 0.
-  virtual absl::Status Zero(MatrixView y) = 0;
+  virtual absl::Status Zero(PartialView y) = 0;
 };
 
 }  // namespace moe

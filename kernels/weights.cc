@@ -42,13 +42,15 @@ int64_t WeightMatrix::ScaleBytes() const {
 
 absl::Status WeightMatrix::Validate() const {
   if (rows <= 0 || cols <= 0)
-    return absl::InvalidArgumentError(absl::StrCat("weight shape [", rows, ", ", cols, "] is empty"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight shape [", rows, ", ", cols, "] is empty"));
   if (data == nullptr) return absl::InvalidArgumentError("weight has no data");
   if (format == WeightFormat::kMXFP4 && cols % 32 != 0)
     return absl::InvalidArgumentError(
         absl::StrCat("MXFP4 weight needs input features divisible by 32, got ", cols));
   if (format != WeightFormat::kBF16 && scales == nullptr)
-    return absl::InvalidArgumentError(absl::StrCat(WeightFormatName(format), " weight has no scales"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(WeightFormatName(format), " weight has no scales"));
   return absl::OkStatus();
 }
 

@@ -12,9 +12,10 @@
 namespace moe {
 
 enum class WeightFormat : uint8_t {
-  kBF16,         // data: bf16 [rows, cols]
-  kMXFP4,        // data: u8 [rows, cols/2] (low nibble = even column), scales: E8M0 u8 [rows, cols/32]
-  kFP8Block128,  // data: e4m3 [rows, cols], scales: f32 [ceil(rows/128), ceil(cols/128)] (scale_inv)
+  kBF16,   // data: bf16 [rows, cols]
+  kMXFP4,  // data: u8 [rows, cols/2] (low nibble = even column), scales: E8M0 u8 [rows, cols/32]
+  kFP8Block128,  // data: e4m3 [rows, cols], scales: f32 [ceil(rows/128), ceil(cols/128)]
+                 // (scale_inv)
 };
 
 const char* WeightFormatName(WeightFormat f);

@@ -1,0 +1,433 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "kernels/cpu/canonical.h"
+
+namespace moe {
+namespace {
+
+class HostBuffer final : public DeviceBuffer {
+ public:
+  explicit HostBuffer(size_t bytes)
+      : bytes_(bytes), data_(std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64)) {}
+  ~HostBuffer() override { std::free(data_); }
+  void* data() override { return data_; }
+  size_t size() const override { return bytes_; }
+
+ private:
+  size_t bytes_;
+  void* data_;
+};
+
+absl::Status ShapeError(absl::string_view op, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));
+}
+
+template <typename A, typename B>
+absl::Status CheckSameShape(absl::string_view op, const View2D<A>& a, const View2D<B>& b) {
+  if (a.rows != b.rows || a.cols != b.cols)
+    return ShapeError(
+        op, absl::StrCat("shape [", a.rows, ", ", a.cols, "] vs [", b.rows, ", ", b.cols, "]"));
+  return absl::OkStatus();
+}
+
+// Splits [0, n) into `parts` ranges whose boundaries are multiples of `align`.
+void SplitAligned(int64_t n, int parts, int64_t align, int part, int64_t* begin, int64_t* end) {
+  const int64_t blocks = (n + align - 1) / align;
+  *begin = std::min(n, blocks * part / parts * align);
+  *end = std::min(n, blocks * (part + 1) / parts * align);
+}
+
+// The router's comparison: higher biased score first, lower index on ties; NaN sorts last.
+inline bool RanksBefore(float a, int ia, float b, int ib) {
+  const bool a_nan = std::isnan(a), b_nan = std::isnan(b);
+  if (a_nan != b_nan) return b_nan;
+  if (!a_nan && a != b) return a > b;
+  return ia < ib;
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(const CpuBackendOptions& options)
+    : kernels_(options.kernels == "portable" ? &cpu::PortableDotKernels() : &cpu::BestDotKernels()),
+      pool_(options.num_threads),
+      scratch_(pool_.num_threads()),
+      thread_out_(pool_.num_threads()) {}
+
+std::string CpuBackend::name() const {
+  return absl::StrCat("cpu(", kernels_->name, ", ", pool_.num_threads(), " threads)");
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> CpuBackend::Allocate(size_t bytes) {
+  auto buffer = std::make_unique<HostBuffer>(bytes);
+  if (buffer->data() == nullptr)
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+  return std::unique_ptr<DeviceBuffer>(std::move(buffer));
+}
+
+absl::Status CpuBackend::CopyToBackend(void* dst, const void* host_src, size_t bytes) {
+  if (bytes) std::memcpy(dst, host_src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CopyToHost(void* host_dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(host_dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<WeightMatrix> CpuBackend::PrepareWeight(const WeightMatrix& host) {
+  RETURN_IF_ERROR(host.Validate());
+  if (host.space != MemorySpace::kHost)
+    return absl::InvalidArgumentError("CPU backend needs host weights");
+  if (host.format == WeightFormat::kMXFP4) {
+    // The vector kernels scale MXFP4 values by adding to the bf16 exponent, exact for
+    // E8M0 scales in [2, 252] (|w| in [2^-126, 2^126]); anything else is not a real weight.
+    const auto* s = static_cast<const uint8_t*>(host.scales);
+    const int64_t n = host.ScaleBytes();
+    uint8_t lo = 255, hi = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      lo = std::min(lo, s[i]);
+      hi = std::max(hi, s[i]);
+    }
+    if (lo < 2 || hi > 252)
+      return absl::InvalidArgumentError(absl::StrCat("MXFP4 weight [", host.rows, ", ", host.cols,
+                                                     "] has E8M0 scales in [", lo, ", ", hi,
+                                                     "]; supported: [2, 252]"));
+  }
+  return host;
+}
+
+absl::StatusOr<WeightVector> CpuBackend::PrepareVector(const WeightVector& host) {
+  if (host.data == nullptr || host.size <= 0)
+    return absl::InvalidArgumentError("empty weight vector");
+  return host;
+}
+
+int64_t CpuBackend::PackRows(ConstMatrixView x, WeightFormat format, Precision p,
+                             std::vector<uint8_t>* buffer) {
+  const int64_t stride = cpu::PaddedK(x.cols);
+  const size_t elem = p == Precision::kBF16 ? 2 : 4;
+  if (buffer->size() < static_cast<size_t>(x.rows * stride) * elem)
+    buffer->resize(x.rows * stride * elem);
+  uint8_t* base = buffer->data();
+  pool_.ParallelFor(x.rows, [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r)
+      cpu::PackActivationRow(x.Row(r), x.cols, format, p, base + r * stride * elem);
+  });
+  return stride;
+}
+
+void CpuBackend::ForRowBlocks(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn) {
+  const int threads = pool_.num_threads();
+  pool_.RunOnAll([&](int t) {
+    int64_t b, e;
+    SplitAligned(n, threads, kernels_->row_block, t, &b, &e);
+    if (b < e) fn(b, e, t);
+  });
+}
+
+absl::Status CpuBackend::Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
+                                Precision p) {
+  if (x.cols != w.cols)
+    return ShapeError("Linear", absl::StrCat("input width ", x.cols, " != weight cols ", w.cols));
+  if (y.rows != x.rows || y.cols != w.rows)
+    return ShapeError("Linear", absl::StrCat("output [", y.rows, ", ", y.cols, "] != [", x.rows,
+                                             ", ", w.rows, "]"));
+  if (x.rows == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  cpu::DotOperands op;
+  op.x_stride = PackRows(x, w.format, p, &packed_x_);
+  op.x = packed_x_.data();
+  op.m = x.rows;
+  op.w = &w;
+  op.precision = p;
+  ForRowBlocks(w.rows, [&](int64_t n0, int64_t n1, int t) {
+    kernels_->dot_rows(op, n0, n1, y.data + n0, y.stride, &scratch_[t]);
+    if (p == Precision::kBF16)
+      for (int64_t i = 0; i < y.rows; ++i)
+        for (int64_t n = n0; n < n1; ++n) y.Row(i)[n] = RoundToBf16(y.Row(i)[n]);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::SelectExperts(ConstMatrixView logits, const float* bias,
+                                       const RoutingParams& params, int32_t* ids, float* weights) {
+  const int E = params.num_experts, k = params.top_k;
+  if (logits.cols != E)
+    return ShapeError("SelectExperts",
+                      absl::StrCat("logits have ", logits.cols, " experts, expected ", E));
+  if (k <= 0 || k > E)
+    return ShapeError("SelectExperts", absl::StrCat("top_k ", k, " outside [1, ", E, "]"));
+  const int groups = std::max(1, params.n_group);
+  if (E % groups != 0 || params.topk_group < 1 || params.topk_group > groups)
+    return ShapeError("SelectExperts", "bad expert grouping");
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.ParallelFor(logits.rows, [&](int64_t b, int64_t e_end, int) {
+    std::vector<float> score(E), biased(E);
+    std::vector<int> order(E), group_order(groups);
+    std::vector<float> group_score(groups);
+    for (int64_t t = b; t < e_end; ++t) {
+      const float* z = logits.Row(t);
+      for (int e = 0; e < E; ++e) {
+        score[e] = Sigmoid(z[e]);
+        biased[e] = score[e] + (bias ? bias[e] : 0.0f);
+      }
+      if (groups > 1 && params.topk_group < groups) {
+        // DeepSeek-V3 group-limited routing: a group's score is the sum of its two best
+        // biased scores; experts outside the topk_group best groups cannot be chosen.
+        const int size = E / groups;
+        for (int g = 0; g < groups; ++g) {
+          float best = -std::numeric_limits<float>::infinity(), second = best;
+          for (int e = g * size; e < (g + 1) * size; ++e) {
+            const float v = biased[e];
+            if (v > best) {
+              second = best;
+              best = v;
+            } else if (v > second) {
+              second = v;
+            }
+          }
+          group_score[g] = size >= 2 ? best + second : best;
+        }
+        std::iota(group_order.begin(), group_order.end(), 0);
+        std::partial_sort(
+            group_order.begin(), group_order.begin() + params.topk_group, group_order.end(),
+            [&](int a, int c) { return RanksBefore(group_score[a], a, group_score[c], c); });
+        std::vector<bool> keep(groups, false);
+        for (int i = 0; i < params.topk_group; ++i) keep[group_order[i]] = true;
+        for (int e = 0; e < E; ++e)
+          if (!keep[e / size]) biased[e] = -std::numeric_limits<float>::infinity();
+      }
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int a, int c) { return RanksBefore(biased[a], a, biased[c], c); });
+      int32_t* out_ids = ids + t * k;
+      float* out_w = weights + t * k;
+      float sum = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        out_ids[j] = order[j];
+        out_w[j] = score[order[j]];
+        sum = sum + out_w[j];
+      }
+      for (int j = 0; j < k; ++j) {
+        if (params.renormalize) out_w[j] = out_w[j] / (sum + 1e-20f);
+        out_w[j] = out_w[j] * params.routed_scaling_factor;
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::GluActivation(ConstMatrixView g, ConstMatrixView u,
+                                       const ActivationParams& act, MatrixView out, Precision p) {
+  RETURN_IF_ERROR(CheckSameShape("GluActivation", g, u));
+  RETURN_IF_ERROR(CheckSameShape("GluActivation", g, out));
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.ParallelFor(g.rows, [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t c = 0; c < g.cols; ++c)
+        out.Row(r)[c] = RoundTo(p, GluActivate(act, g.Row(r)[c], u.Row(r)[c]));
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ExpertMlp(ConstMatrixView x, const ExpertAssignments& asg,
+                                   absl::Span<const MlpWeights> experts,
+                                   const ActivationParams& act, PartialView y, Precision p) {
+  RETURN_IF_ERROR(CheckSameShape("ExpertMlp", x, y));
+  const int E = asg.num_experts();
+  if (static_cast<size_t>(E) != experts.size())
+    return ShapeError("ExpertMlp",
+                      absl::StrCat(E, " expert groups but ", experts.size(), " experts"));
+  if (E == 0 || asg.num_assignments() == 0) {
+    return Zero(y);
+  }
+  const int64_t hidden = experts[0].gate.rows;
+  const WeightFormat in_format = experts[0].gate.format, hidden_format = experts[0].down.format;
+  for (int e = 0; e < E; ++e) {
+    const MlpWeights& w = experts[e];
+    if (w.gate.cols != x.cols || w.up.cols != x.cols || w.down.rows != x.cols ||
+        w.gate.rows != hidden || w.up.rows != hidden || w.down.cols != hidden)
+      return ShapeError("ExpertMlp",
+                        absl::StrCat("expert ", e, " shapes do not match input width ", x.cols));
+    if (w.gate.format != in_format || w.up.format != in_format || w.down.format != hidden_format)
+      return ShapeError("ExpertMlp", "experts of one call must share their weight formats");
+    if (asg.offsets[e] > asg.offsets[e + 1])
+      return ShapeError("ExpertMlp", "offsets not ascending");
+  }
+  if (asg.offsets[0] != 0 || asg.offsets[E] != asg.num_assignments() ||
+      asg.gates.size() != asg.rows.size())
+    return ShapeError("ExpertMlp", "malformed assignments");
+  for (int32_t r : asg.rows)
+    if (r < 0 || r >= x.rows)
+      return ShapeError("ExpertMlp", absl::StrCat("assignment row ", r, " out of range"));
+
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t elem = p == Precision::kBF16 ? 2 : 4;
+  const int64_t x_stride = PackRows(x, in_format, p, &packed_x_);
+  // Hidden activations of every assignment, packed for the down projection.
+  const int64_t h_stride = cpu::PaddedK(hidden);
+  const int64_t assignments = asg.num_assignments();
+  if (packed_hidden_.size() < static_cast<size_t>(assignments * h_stride) * elem)
+    packed_hidden_.resize(assignments * h_stride * elem);
+  if (h_stride > hidden) {
+    for (int64_t a = 0; a < assignments; ++a)
+      std::memset(packed_hidden_.data() + (a * h_stride + (hidden & ~int64_t{63})) * elem, 0,
+                  (h_stride - (hidden & ~int64_t{63})) * elem);
+  }
+  const int threads = pool_.num_threads();
+  const int64_t align = kernels_->row_block;
+
+  // Phase 1: each thread owns a range of hidden units of every expert (disjoint weight rows).
+  pool_.RunOnAll([&](int t) {
+    int64_t h0, h1;
+    SplitAligned(hidden, threads, align, t, &h0, &h1);
+    if (h0 >= h1) return;
+    const int64_t width = h1 - h0;
+    for (int e = 0; e < E; ++e) {
+      const int64_t m = asg.offsets[e + 1] - asg.offsets[e];
+      if (m == 0) continue;
+      std::vector<float>& out = thread_out_[t];
+      if (out.size() < static_cast<size_t>(2 * m * width)) out.resize(2 * m * width);
+      cpu::DotOperands op;
+      op.x = packed_x_.data();
+      op.x_stride = x_stride;
+      op.x_rows = asg.rows.data() + asg.offsets[e];
+      op.m = m;
+      op.precision = p;
+      op.w = &experts[e].gate;
+      kernels_->dot_rows(op, h0, h1, out.data(), width, &scratch_[t]);
+      op.w = &experts[e].up;
+      kernels_->dot_rows(op, h0, h1, out.data() + m * width, width, &scratch_[t]);
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t slot = asg.offsets[e] + i;
+        for (int64_t h = h0; h < h1; ++h) {
+          const float g = RoundTo(p, out[i * width + (h - h0)]);
+          const float u = RoundTo(p, out[(m + i) * width + (h - h0)]);
+          const float a = GluActivate(act, g, u);
+          const int64_t pos = slot * h_stride + cpu::CanonicalIndex(hidden_format, h);
+          if (p == Precision::kBF16) {
+            reinterpret_cast<uint16_t*>(packed_hidden_.data())[pos] = FloatToBf16Bits(a);
+          } else {
+            reinterpret_cast<float*>(packed_hidden_.data())[pos] = a;
+          }
+        }
+      }
+    }
+  });
+
+  // Phase 2: each thread owns a range of output features; experts in ascending order, so
+  // every row accumulates its experts in one fixed order.
+  pool_.RunOnAll([&](int t) {
+    int64_t c0, c1;
+    SplitAligned(x.cols, threads, align, t, &c0, &c1);
+    if (c0 >= c1) return;
+    const int64_t width = c1 - c0;
+    for (int64_t r = 0; r < y.rows; ++r) std::fill(y.Row(r) + c0, y.Row(r) + c1, 0.0);
+    for (int e = 0; e < E; ++e) {
+      const int64_t begin = asg.offsets[e], m = asg.offsets[e + 1] - begin;
+      if (m == 0) continue;
+      std::vector<float>& out = thread_out_[t];
+      if (out.size() < static_cast<size_t>(m * width)) out.resize(m * width);
+      cpu::DotOperands op;
+      op.x = packed_hidden_.data() + begin * h_stride * elem;
+      op.x_stride = h_stride;
+      op.m = m;
+      op.precision = p;
+      op.w = &experts[e].down;
+      kernels_->dot_rows(op, c0, c1, out.data(), width, &scratch_[t]);
+      for (int64_t i = 0; i < m; ++i) {
+        double* yr = y.Row(asg.rows[begin + i]);
+        const double gate = asg.gates[begin + i];
+        for (int64_t c = c0; c < c1; ++c)
+          yr[c] += static_cast<double>(RoundTo(p, out[i * width + (c - c0)])) * gate;
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps,
+                                 MatrixView y, Precision p) {
+  RETURN_IF_ERROR(CheckSameShape("RmsNorm", x, y));
+  if (weight.size != x.cols)
+    return ShapeError("RmsNorm", absl::StrCat("weight size ", weight.size, " != ", x.cols));
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.ParallelFor(x.rows, [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* xr = x.Row(r);
+      // Sum of squares in fp64 (exact enough to be order-independent), then one fp32 rounding.
+      double ss = 0;
+      for (int64_t c = 0; c < x.cols; ++c) ss += static_cast<double>(xr[c]) * xr[c];
+      const float mean = static_cast<float>(ss / static_cast<double>(x.cols));
+      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(mean + eps)));
+      float* yr = y.Row(r);
+      for (int64_t c = 0; c < x.cols; ++c)
+        yr[c] = RoundTo(p, RoundTo(p, xr[c] * inv) * Bf16BitsToFloat(weight.data[c]));
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) {
+  RETURN_IF_ERROR(CheckSameShape("Add", a, b));
+  RETURN_IF_ERROR(CheckSameShape("Add", a, y));
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t c = 0; c < a.cols; ++c) y.Row(r)[c] = RoundTo(p, a.Row(r)[c] + b.Row(r)[c]);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Round(MatrixView y, Precision p) {
+  if (p == Precision::kFP32) return absl::OkStatus();
+  for (int64_t r = 0; r < y.rows; ++r)
+    for (int64_t c = 0; c < y.cols; ++c) y.Row(r)[c] = RoundToBf16(y.Row(r)[c]);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::RoundPartials(ConstPartialView y, MatrixView out, Precision p) {
+  RETURN_IF_ERROR(CheckSameShape("RoundPartials", y, out));
+  for (int64_t r = 0; r < y.rows; ++r)
+    for (int64_t c = 0; c < y.cols; ++c) out.Row(r)[c] = RoundDoubleTo(p, y.Row(r)[c]);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
+                                    MatrixView out) {
+  if (static_cast<int64_t>(rows.size()) != out.rows || out.cols != x.cols)
+    return ShapeError("GatherRows", "output shape does not match the row list");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= x.rows)
+      return ShapeError("GatherRows", absl::StrCat("row ", rows[i], " out of range"));
+    std::memcpy(out.Row(i), x.Row(rows[i]), x.cols * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
+                                        PartialView y) {
+  if (static_cast<int64_t>(rows.size()) != partial.rows || partial.cols != y.cols)
+    return ShapeError("ScatterAddRows", "partial shape does not match the row list");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= y.rows)
+      return ShapeError("ScatterAddRows", absl::StrCat("row ", rows[i], " out of range"));
+    double* yr = y.Row(rows[i]);
+    const double* pr = partial.Row(i);
+    for (int64_t c = 0; c < y.cols; ++c) yr[c] += pr[c];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Zero(PartialView y) {
+  for (int64_t r = 0; r < y.rows; ++r) std::fill(y.Row(r), y.Row(r) + y.cols, 0.0);
+  return absl::OkStatus();
+}
+
+}  // namespace moe

@@ -1,0 +1,75 @@
+// The CPU backend: every op on host memory, parallel over a private thread pool.
+//
+// Weights are used in place (memory-mapped checkpoint, stored format). All arithmetic goes
+// through the batched dot kernels of kernels/cpu/dot.h, so a token's result is bitwise
+// independent of its batch and of the kernel variant.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/dot.h"
+
+namespace moe {
+
+struct CpuBackendOptions {
+  int num_threads = 0;  // 0: all hardware threads
+  // Kernel variant: "" picks the best the CPU supports; "portable" forces the reference one.
+  std::string kernels;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options = {});
+
+  std::string name() const override;
+  MemorySpace space() const override { return MemorySpace::kHost; }
+  int num_threads() const { return pool_.num_threads(); }
+
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t bytes) override;
+  absl::Status CopyToBackend(void* dst, const void* host_src, size_t bytes) override;
+  absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) override;
+  absl::StatusOr<WeightMatrix> PrepareWeight(const WeightMatrix& host) override;
+  absl::StatusOr<WeightVector> PrepareVector(const WeightVector& host) override;
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  absl::Status Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y, Precision p) override;
+  absl::Status SelectExperts(ConstMatrixView logits, const float* bias, const RoutingParams& params,
+                             int32_t* ids, float* weights) override;
+  absl::Status GluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
+                             MatrixView out, Precision p) override;
+  absl::Status ExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+                         absl::Span<const MlpWeights> experts, const ActivationParams& act,
+                         PartialView y, Precision p) override;
+  absl::Status RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
+                       Precision p) override;
+  absl::Status Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) override;
+  absl::Status Round(MatrixView y, Precision p) override;
+  absl::Status RoundPartials(ConstPartialView y, MatrixView out, Precision p) override;
+  absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
+                          MatrixView out) override;
+  absl::Status ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
+                              PartialView y) override;
+  absl::Status Zero(PartialView y) override;
+
+ private:
+  // Packs rows of x in `format`'s canonical order into `buffer`; returns the row stride.
+  int64_t PackRows(ConstMatrixView x, WeightFormat format, Precision p,
+                   std::vector<uint8_t>* buffer);
+  // Splits weight rows [0, n) over the pool in kernel-friendly blocks.
+  void ForRowBlocks(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn);
+
+  const cpu::DotKernels* kernels_;
+  ThreadPool pool_;
+  std::mutex mu_;  // one op at a time: the pool and the workspaces are shared
+  std::vector<cpu::DotScratch> scratch_;        // per pool thread
+  std::vector<uint8_t> packed_x_;               // packed activations of the current op
+  std::vector<uint8_t> packed_hidden_;          // ExpertMlp: packed activations of the hidden layer
+  std::vector<std::vector<float>> thread_out_;  // per-thread dot results
+};
+
+}  // namespace moe

@@ -1,0 +1,53 @@
+// Batched dot-product kernels: the one compute primitive of the CPU backend.
+//
+// y[i][n] = canonical_dot(x_i, W_n) (kernels/cpu/canonical.h) for every operand row i and
+// every weight row n of a range. Linear layers, the router and the grouped experts are all
+// built from this; ISA variants (portable, AVX-512 BF16) are picked once at start-up and
+// produce identical bits.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/numerics.h"
+#include "kernels/weights.h"
+
+namespace moe::cpu {
+
+// Per-thread scratch a kernel may grow (decoded weight rows); reused across calls.
+struct DotScratch {
+  std::vector<uint8_t> bytes;
+  void* Reserve(size_t n) {
+    if (bytes.size() < n + 64) bytes.resize(n + 64);
+    const auto addr = reinterpret_cast<uintptr_t>(bytes.data());
+    return bytes.data() + ((64 - addr % 64) % 64);
+  }
+};
+
+struct DotOperands {
+  const void* x = nullptr;  // packed rows: bf16 bits (kBF16) or fp32 (kFP32), canonical order
+  int64_t x_stride = 0;     // elements between packed rows (>= PaddedK(w.cols))
+  const int32_t* x_rows = nullptr;  // optional: operand row i is packed row x_rows[i]
+  int64_t m = 0;                    // operand rows
+  const WeightMatrix* w = nullptr;
+  Precision precision = Precision::kBF16;
+};
+
+// Writes y[i * ldy + (n - n0)] for i < m, n in [n0, n1): raw fp32 results, not rounded.
+using DotRowsFn = void (*)(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                           DotScratch* scratch);
+
+struct DotKernels {
+  const char* name;
+  DotRowsFn dot_rows;
+  int row_block;  // weight rows a kernel prefers per call (work split granularity)
+};
+
+// Portable implementation (any x86-64 / any CPU): the definition the others match.
+const DotKernels& PortableDotKernels();
+// AVX-512 F/BW/VL + BF16 + VBMI (Zen 4, Sapphire Rapids); nullptr when not compiled in.
+const DotKernels* Avx512DotKernels();
+// The best kernels this CPU supports; MOE_CPU_KERNELS=portable forces the portable ones.
+const DotKernels& BestDotKernels();
+
+}  // namespace moe::cpu

@@ -1,0 +1,346 @@
+// AVX-512 BF16 dot kernels (Zen 4, Sapphire Rapids and later). Compiled with
+// -mavx512{f,bw,vl,dq,bf16,vbmi}; selected at run time only on CPUs that have them.
+//
+// Each output is the canonical dot product of kernels/cpu/canonical.h: one VDPBF16PS (or
+// one FMA in fp32 mode) per 32 (16) elements into 16 lanes, FP8 block partials scaled by an
+// FMA, then the fixed reduction tree. Tiles of MR operand rows x NR weight rows share every
+// load; weight rows are decoded (MXFP4 nibbles, FP8 bytes) to exact bf16 in registers and
+// kept in a small per-thread scratch while all operand rows stream past them.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/cpu/canonical.h"
+#include "kernels/cpu/dot.h"
+
+namespace moe::cpu {
+namespace {
+
+constexpr int kMaxRowsPerTile = 4;  // NR: weight rows per tile
+
+inline float ReduceTree(__m512 v) {
+  const __m256 r8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 r4 = _mm_add_ps(_mm256_castps256_ps128(r8), _mm256_extractf128_ps(r8, 1));
+  const __m128 r2 = _mm_add_ps(r4, _mm_movehl_ps(r4, r4));
+  return _mm_cvtss_f32(_mm_add_ss(r2, _mm_shuffle_ps(r2, r2, 1)));
+}
+
+// ---- weight row decoding (exact) ---------------------------------------------------------
+
+// bf16 bits of the E2M1 values, indexed by nibble (upper 16 entries unused).
+alignas(64) const uint16_t kE2m1Bf16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
+                                            0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
+                                            0xC000, 0xC040, 0xC080, 0xC0C0};
+// bf16 bits of the FP8 E4M3 subnormals m * 2^-9, m = 0..7.
+alignas(64) const uint16_t kFp8SubnormalBf16[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
+                                                    0x3C00, 0x3C20, 0x3C40, 0x3C60};
+
+// MXFP4 row -> bf16 bits in canonical order ([even, odd] per 64-element unit).
+void DecodeMxfp4RowBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, uint16_t* out) {
+  const __m512i lut = _mm512_load_si512(kE2m1Bf16);
+  const __m512i low_nibble = _mm512_set1_epi16(0x000F);
+  const __m512i magnitude_bits = _mm512_set1_epi16(0x0007);
+  const int64_t units = cols / 64;
+  for (int64_t u = 0; u < units; ++u) {
+    const __m512i bytes =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * u)));
+    const __m512i lo = _mm512_and_si512(bytes, low_nibble);
+    const __m512i hi = _mm512_srli_epi16(bytes, 4);
+    __m512i even = _mm512_permutexvar_epi16(lo, lut);
+    __m512i odd = _mm512_permutexvar_epi16(hi, lut);
+    // Scale 2^(s-127) by adding (s-127) to the exponent field of non-zero values; words
+    // 0..15 hold block 2u, words 16..31 block 2u+1 (PrepareWeight checked s in [2, 252]).
+    const __m512i scale = _mm512_mask_blend_epi16(
+        0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>((scales[2 * u] - 127) << 7)),
+        _mm512_set1_epi16(static_cast<int16_t>((scales[2 * u + 1] - 127) << 7)));
+    even = _mm512_mask_add_epi16(even, _mm512_test_epi16_mask(lo, magnitude_bits), even, scale);
+    odd = _mm512_mask_add_epi16(odd, _mm512_test_epi16_mask(hi, magnitude_bits), odd, scale);
+    _mm512_storeu_si512(out + 64 * u, even);
+    _mm512_storeu_si512(out + 64 * u + 32, odd);
+  }
+  if (cols % 64) {  // a trailing 32-element block: its 16 bytes decode like half a unit
+    alignas(64) uint8_t tail_bytes[32] = {};
+    std::memcpy(tail_bytes, packed + 32 * units, 16);
+    alignas(64) uint8_t tail_scales[2] = {scales[2 * units], 127};
+    alignas(64) uint16_t tail[64];
+    DecodeMxfp4RowBf16(tail_bytes, tail_scales, 64, tail);
+    // Elements 32..63 do not exist: their canonical slots (16..31 and 48..63) stay zero.
+    std::memset(out + 64 * units, 0, 64 * sizeof(uint16_t));
+    std::memcpy(out + 64 * units, tail, 16 * sizeof(uint16_t));
+    std::memcpy(out + 64 * units + 32, tail + 32, 16 * sizeof(uint16_t));
+  }
+}
+
+// FP8 E4M3 bytes (32 of them) -> exact bf16 bits.
+inline __m512i Fp8ToBf16(__m256i v8) {
+  const __m512i v = _mm512_cvtepu8_epi16(v8);
+  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+  // Normal: exponent + (127 - 7), mantissa bits shifted from 3 to 7 wide.
+  __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
+  const __mmask32 subnormal = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78));
+  bits = _mm512_mask_permutexvar_epi16(bits, subnormal, magnitude,
+                                       _mm512_load_si512(kFp8SubnormalBf16));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F));
+  bits = _mm512_mask_mov_epi16(bits, nan, _mm512_set1_epi16(0x7FC0));
+  return _mm512_or_si512(bits, sign);
+}
+
+void DecodeFp8RowBf16(const uint8_t* row, int64_t cols, uint16_t* out) {
+  const int64_t kp = PaddedK(cols);
+  for (int64_t k = 0; k < kp; k += 32) {
+    __m512i bits;
+    if (k + 32 <= cols) {
+      bits = Fp8ToBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
+    } else if (k < cols) {
+      const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (cols - k)) - 1);
+      bits = _mm512_maskz_mov_epi16(m, Fp8ToBf16(_mm256_maskz_loadu_epi8(m, row + k)));
+    } else {
+      bits = _mm512_setzero_si512();
+    }
+    _mm512_storeu_si512(out + k, bits);
+  }
+}
+
+void CopyBf16RowPadded(const uint16_t* row, int64_t cols, uint16_t* out) {
+  std::memcpy(out, row, cols * sizeof(uint16_t));
+  std::memset(out + cols, 0, (PaddedK(cols) - cols) * sizeof(uint16_t));
+}
+
+// Returns the canonical bf16 row n: a pointer into the weights when they are already in
+// canonical form (bf16, padded width), otherwise decoded into `buf`.
+const uint16_t* WeightRowBf16(const WeightMatrix& w, int64_t n, uint16_t* buf) {
+  switch (w.format) {
+    case WeightFormat::kBF16: {
+      const uint16_t* row = static_cast<const uint16_t*>(w.data) + n * w.cols;
+      if (w.cols % kPadK == 0) return row;
+      CopyBf16RowPadded(row, w.cols, buf);
+      return buf;
+    }
+    case WeightFormat::kMXFP4:
+      DecodeMxfp4RowBf16(static_cast<const uint8_t*>(w.data) + n * (w.cols / 2),
+                         static_cast<const uint8_t*>(w.scales) + n * (w.cols / 32), w.cols, buf);
+      return buf;
+    case WeightFormat::kFP8Block128:
+      DecodeFp8RowBf16(static_cast<const uint8_t*>(w.data) + n * w.cols, w.cols, buf);
+      return buf;
+  }
+  return buf;
+}
+
+void WidenBf16Row(const uint16_t* in, int64_t kp, float* out) {
+  for (int64_t k = 0; k < kp; k += 16) {
+    const __m512i v =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + k)));
+    _mm512_storeu_ps(out + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+}
+
+// ---- tiles ---------------------------------------------------------------------------------
+
+// MR operand rows x NR weight rows, bf16 mode, no block scales.
+template <int MR, int NR>
+void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, float* y,
+              int64_t ldy) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kp; k += 32) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
+}
+
+// bf16 mode with FP8 block-128 partials: lanes = fma(partial, scale_inv, lanes).
+template <int MR, int NR>
+void TileBf16Blocked(const uint16_t* const* x, const uint16_t* const* w, const float* const* scales,
+                     int64_t kp, float* y, int64_t ldy) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < kp; b0 += kFp8Block) {
+    const int64_t b1 = std::min<int64_t>(b0 + kFp8Block, kp);
+    __m512 part[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) part[i][j] = _mm512_setzero_ps();
+    for (int64_t k = b0; k < b1; k += 32) {
+      __m512bh wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
+        for (int j = 0; j < NR; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], xv, wv[j]);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m512 s = _mm512_set1_ps(scales[j][b0 / kFp8Block]);
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
+}
+
+// fp32 mode: one FMA per 16 elements per lane; FP8 block partials when scales != null.
+template <int MR, int NR>
+void TileF32(const float* const* x, const float* const* w, const float* const* scales, int64_t kp,
+             float* y, int64_t ldy) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t block = scales ? kFp8Block : kp;
+  for (int64_t b0 = 0; b0 < kp; b0 += block) {
+    const int64_t b1 = std::min<int64_t>(b0 + block, kp);
+    __m512 part[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) part[i][j] = scales ? _mm512_setzero_ps() : acc[i][j];
+    for (int64_t k = b0; k < b1; k += 16) {
+      __m512 wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w[j] + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = _mm512_loadu_ps(x[i] + k);
+        for (int j = 0; j < NR; ++j) part[i][j] = _mm512_fmadd_ps(wv[j], xv, part[i][j]);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      if (scales) {
+        const __m512 s = _mm512_set1_ps(scales[j][b0 / kFp8Block]);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
+      } else {
+        for (int i = 0; i < MR; ++i) acc[i][j] = part[i][j];
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
+}
+
+// Dispatches a runtime (mr, nr) to the template instance.
+template <int MR>
+void TileBf16Nr(int nr, const uint16_t* const* x, const uint16_t* const* w,
+                const float* const* scales, int64_t kp, float* y, int64_t ldy) {
+  switch (nr) {
+#define MOE_TILE_CASE(N)                                \
+  case N:                                               \
+    if (scales) {                                       \
+      TileBf16Blocked<MR, N>(x, w, scales, kp, y, ldy); \
+    } else {                                            \
+      TileBf16<MR, N>(x, w, kp, y, ldy);                \
+    }                                                   \
+    break;
+    MOE_TILE_CASE(1)
+    MOE_TILE_CASE(2)
+    MOE_TILE_CASE(3)
+    MOE_TILE_CASE(4)
+#undef MOE_TILE_CASE
+  }
+}
+
+template <int MR>
+void TileF32Nr(int nr, const float* const* x, const float* const* w, const float* const* scales,
+               int64_t kp, float* y, int64_t ldy) {
+  switch (nr) {
+    case 1:
+      TileF32<MR, 1>(x, w, scales, kp, y, ldy);
+      break;
+    case 2:
+      TileF32<MR, 2>(x, w, scales, kp, y, ldy);
+      break;
+    case 3:
+      TileF32<MR, 3>(x, w, scales, kp, y, ldy);
+      break;
+    case 4:
+      TileF32<MR, 4>(x, w, scales, kp, y, ldy);
+      break;
+  }
+}
+
+void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                   DotScratch* scratch) {
+  const WeightMatrix& w = *op.w;
+  const int64_t kp = PaddedK(w.cols);
+  const bool bf16 = op.precision == Precision::kBF16;
+  const bool fp8 = w.format == WeightFormat::kFP8Block128;
+  // FP8 tiles keep partial and total accumulators: fewer operand rows per tile.
+  const int mr_max = fp8 ? 3 : 4;
+  auto* decoded =
+      static_cast<uint8_t*>(scratch->Reserve(kMaxRowsPerTile * kp * (2 + (bf16 ? 0 : 4))));
+  uint16_t* bf16_rows = reinterpret_cast<uint16_t*>(decoded);
+  float* f32_rows = reinterpret_cast<float*>(decoded + kMaxRowsPerTile * kp * 2);
+
+  for (int64_t nb = n0; nb < n1; nb += kMaxRowsPerTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, n1 - nb));
+    const uint16_t* wrow16[kMaxRowsPerTile];
+    const float* wrow32[kMaxRowsPerTile];
+    const float* scale_rows[kMaxRowsPerTile];
+    for (int j = 0; j < nr; ++j) {
+      wrow16[j] = WeightRowBf16(w, nb + j, bf16_rows + j * kp);
+      if (!bf16) {
+        WidenBf16Row(wrow16[j], kp, f32_rows + j * kp);
+        wrow32[j] = f32_rows + j * kp;
+      }
+      scale_rows[j] = fp8 ? Fp8RowScales(w, nb + j) : nullptr;
+    }
+    const float* const* scales = fp8 ? scale_rows : nullptr;
+    for (int64_t i0 = 0; i0 < op.m; i0 += mr_max) {
+      const int mr = static_cast<int>(std::min<int64_t>(mr_max, op.m - i0));
+      float* yt = y + i0 * ldy + (nb - n0);
+      if (bf16) {
+        const uint16_t* xr[4];
+        for (int i = 0; i < mr; ++i) {
+          const int64_t r = op.x_rows ? op.x_rows[i0 + i] : i0 + i;
+          xr[i] = static_cast<const uint16_t*>(op.x) + r * op.x_stride;
+        }
+        switch (mr) {
+          case 1:
+            TileBf16Nr<1>(nr, xr, wrow16, scales, kp, yt, ldy);
+            break;
+          case 2:
+            TileBf16Nr<2>(nr, xr, wrow16, scales, kp, yt, ldy);
+            break;
+          case 3:
+            TileBf16Nr<3>(nr, xr, wrow16, scales, kp, yt, ldy);
+            break;
+          default:
+            TileBf16Nr<4>(nr, xr, wrow16, scales, kp, yt, ldy);
+            break;
+        }
+      } else {
+        const float* xr[4];
+        for (int i = 0; i < mr; ++i) {
+          const int64_t r = op.x_rows ? op.x_rows[i0 + i] : i0 + i;
+          xr[i] = static_cast<const float*>(op.x) + r * op.x_stride;
+        }
+        switch (mr) {
+          case 1:
+            TileF32Nr<1>(nr, xr, wrow32, scales, kp, yt, ldy);
+            break;
+          case 2:
+            TileF32Nr<2>(nr, xr, wrow32, scales, kp, yt, ldy);
+            break;
+          case 3:
+            TileF32Nr<3>(nr, xr, wrow32, scales, kp, yt, ldy);
+            break;
+          default:
+            TileF32Nr<4>(nr, xr, wrow32, scales, kp, yt, ldy);
+            break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const DotKernels* Avx512DotKernels() {
+  static const DotKernels kernels{"avx512-bf16", &Avx512DotRows, kMaxRowsPerTile};
+  return &kernels;
+}
+
+}  // namespace moe::cpu

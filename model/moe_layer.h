@@ -1,0 +1,127 @@
+// The MoE layer's math (DESIGN.md "Numerics"), written once against kernels/backend.h.
+//
+//   GatewayLayer: router + top-k, latent down-projection, shared experts, and after the
+//                 combine: rounding, latent RMSNorm, up-projection, + shared.
+//   ExpertShard:  the routed experts a rank hosts; one fp64 partial sum per received row.
+//   LocalMoeLayer: both in one process with R in-process shards (moe-forward, tests, and
+//                 the baseline the service is compared with).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/dispatch.h"
+
+namespace moe {
+
+// Backend buffers that grow on demand and are reused across steps (no per-step allocation
+// once the largest step has been seen).
+class Workspace {
+ public:
+  explicit Workspace(Backend* backend) : backend_(backend) {}
+  absl::StatusOr<MatrixView> Matrix(int slot, int64_t rows, int64_t cols);
+  absl::StatusOr<PartialView> Partial(int slot, int64_t rows, int64_t cols);
+
+ private:
+  absl::StatusOr<void*> Bytes(int slot, size_t bytes);
+  Backend* backend_;
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers_;
+};
+
+class GatewayLayer {
+ public:
+  // Prepares the weights on the backend (uploads on GPU; in place on CPU).
+  static absl::StatusOr<std::unique_ptr<GatewayLayer>> Create(const MoeConfig& config,
+                                                              const GatewayLayerWeights& weights,
+                                                              Backend* backend);
+
+  int layer() const { return layer_; }
+  const MoeConfig& config() const { return config_; }
+  // Replaces the router's selection bias (Quantile Balancing overrides); size must be E.
+  absl::Status SetRouterBias(std::vector<float> bias);
+  const std::vector<float>& router_bias() const { return bias_; }
+
+  // Router and expert input. x: [T, H] already rounded to the precision (see RoundInput).
+  // routing: host ids/weights; expert_input: [T, expert_input_size] (latent for K3, x for K2).
+  absl::Status Route(ConstMatrixView x, Precision p, Routing* routing, MatrixView expert_input,
+                     std::vector<float>* router_scores = nullptr);
+  // shared: [T, H] (left untouched when the layer has no shared experts).
+  absl::Status SharedExperts(ConstMatrixView x, Precision p, MatrixView shared);
+  // combined: fp64 sums [T, expert_input_size]; out: [T, H].
+  absl::Status Finish(ConstPartialView combined, ConstMatrixView shared, Precision p,
+                      MatrixView out);
+
+ private:
+  GatewayLayer(const MoeConfig& config, Backend* backend)
+      : config_(config), backend_(backend), workspace_(backend) {}
+  MoeConfig config_;
+  Backend* backend_;
+  int layer_ = 0;
+  WeightMatrix router_;
+  std::vector<float> bias_;
+  WeightMatrix latent_down_, latent_up_;
+  WeightVector latent_norm_;
+  bool has_shared_ = false;
+  MlpWeights shared_;
+  Workspace workspace_;
+  std::vector<float> logits_host_;
+};
+
+class ExpertShard {
+ public:
+  static absl::StatusOr<std::unique_ptr<ExpertShard>> Create(const MoeConfig& config,
+                                                             const ExpertShardWeights& weights,
+                                                             Backend* backend);
+
+  int layer() const { return layer_; }
+  const std::vector<int>& expert_ids() const { return expert_ids_; }
+  int64_t weight_bytes() const { return weight_bytes_; }
+
+  // x: [M, expert_input_size] received rows; rows: each row's local experts and gates.
+  // partial: [M, expert_input_size] fp64 sums over the row's experts.
+  absl::Status Compute(ConstMatrixView x, const RowAssignments& rows, Precision p,
+                       PartialView partial);
+
+ private:
+  ExpertShard(const MoeConfig& config, Backend* backend) : config_(config), backend_(backend) {}
+  MoeConfig config_;
+  Backend* backend_;
+  int layer_ = 0;
+  std::vector<int> expert_ids_;
+  std::vector<MlpWeights> experts_;
+  int64_t weight_bytes_ = 0;
+};
+
+// In bf16 mode the layer input is rounded to bf16 first (DESIGN.md: per token x is bf16).
+absl::Status RoundInput(Backend* backend, MatrixView x, Precision p);
+
+class LocalMoeLayer {
+ public:
+  // Loads layer `layer` of `checkpoint` with its experts split over `placement` (in-process).
+  static absl::StatusOr<std::unique_ptr<LocalMoeLayer>> Load(const Checkpoint& checkpoint,
+                                                             int layer,
+                                                             const ExpertPlacement& placement,
+                                                             Backend* backend);
+
+  // out = layer(x) for host arrays x, out: [tokens, H]. routing (optional) receives the
+  // router's choices.
+  absl::Status Forward(const float* x, int64_t tokens, Precision p, float* out,
+                       Routing* routing = nullptr);
+
+  const MoeConfig& config() const { return gateway_->config(); }
+  GatewayLayer& gateway() { return *gateway_; }
+
+ private:
+  LocalMoeLayer(Backend* backend) : backend_(backend), workspace_(backend) {}
+  Backend* backend_;
+  ExpertPlacement placement_;
+  std::unique_ptr<GatewayLayer> gateway_;
+  std::vector<std::unique_ptr<ExpertShard>> shards_;
+  Workspace workspace_;
+};
+
+}  // namespace moe
