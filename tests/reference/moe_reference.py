@@ -26,6 +26,7 @@ Importable API: see __all__.
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import glob
 import json
@@ -642,13 +643,20 @@ def _routed_experts(cfg, weights: LayerWeights, h, ids, w, R, dtype):
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
     counts = np.bincount(flat, minlength=cfg.num_experts)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    used = [int(e) for e in np.nonzero(counts)[0]]
     outs = np.empty((T * k, h.shape[1]), dtype=dtype)
-    start = 0
-    for e in np.nonzero(counts)[0]:
-        pairs = order[start:start + counts[e]]
-        start += counts[e]
-        gate, up, down = weights.expert(int(e), dtype)
-        outs[pairs] = _mlp(cfg, h[pairs // k], gate, up, down, R)
+    # Each used expert is decoded once; the next one is decoded on a helper thread while this
+    # one's GEMMs run (numpy and oneDNN both release the GIL).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(weights.expert, used[0], dtype) if used else None
+        for i, e in enumerate(used):
+            gate, up, down = pending.result()
+            if i + 1 < len(used):
+                pending = pool.submit(weights.expert, used[i + 1], dtype)
+            pairs = order[starts[e]:starts[e + 1]]
+            outs[pairs] = _mlp(cfg, h[pairs // k], gate, up, down, R)
+            del gate, up, down
     # Combine: fp32 (here: compute precision) accumulation of the weighted expert outputs.
     return (outs.reshape(T, k, -1) * w[:, :, None]).sum(axis=1)
 
@@ -730,7 +738,7 @@ def main(argv=None):
                    help="precision of all arithmetic (float32 for large configs)")
     p.add_argument("--experts-out", help=".npy int32 [..., k] selected experts")
     p.add_argument("--weights-out", help=".npy float32 [..., k] combine weights")
-    p.add_argument("--near-tie-out", help=".npy bool [...] tokens with fragile selection")
+    p.add_argument("--near-tie-out", help=".npy uint8 [...] 1 = token with fragile selection")
     p.add_argument("--near-tie-margin", type=float, default=1e-4)
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="threads for the float32 GEMMs (torch/oneDNN)")
@@ -751,7 +759,8 @@ def main(argv=None):
     if args.weights_out:
         np.save(args.weights_out, res.weights)
     if args.near_tie_out:
-        np.save(args.near_tie_out, res.near_tie)
+        # uint8 0/1 rather than numpy bool: the most widely readable .npy mask.
+        np.save(args.near_tie_out, res.near_tie.astype(np.uint8))
     return 0
 
 
