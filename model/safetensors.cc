@@ -408,10 +408,12 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   // Pad with spaces so the data section starts 8-byte aligned (as the reference writer does).
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus("cannot create", path, errno);
+  const std::string partial = path + ".partial";
+  const int fd = ::open(partial.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus("cannot create", partial, errno);
   std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter());
   writer->path_ = path;
+  writer->partial_path_ = partial;
   writer->fd_ = fd;
   writer->expected_bytes_ = offset;
   writer->buffer_.reserve(kWriteBufferBytes);
@@ -427,7 +429,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
 SafetensorsWriter::~SafetensorsWriter() {
   if (fd_ >= 0) {
     ::close(fd_);
-    ::unlink(path_.c_str());
+    ::unlink(partial_path_.c_str());
   }
 }
 
@@ -475,9 +477,19 @@ absl::Status SafetensorsWriter::Finish() {
                                                       expected_bytes_, " declared bytes"));
   RETURN_IF_ERROR(Flush());
   if (::fsync(fd_) != 0) return ErrnoStatus("cannot fsync", path_, errno);
-  const int fd = fd_;
+  // The descriptor is gone after close() even when it fails; never close it twice.
+  const int close_rc = ::close(fd_);
+  const int close_errno = errno;
   fd_ = -1;
-  if (::close(fd) != 0) return ErrnoStatus("cannot close", path_, errno);
+  if (close_rc != 0) {
+    ::unlink(partial_path_.c_str());
+    return ErrnoStatus("cannot close", partial_path_, close_errno);
+  }
+  if (::rename(partial_path_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(partial_path_.c_str());
+    return ErrnoStatus("cannot rename to", path_, err);
+  }
   return absl::OkStatus();
 }
 

@@ -89,8 +89,10 @@ class SafetensorsCheckpoint {
 };
 
 // Writes safetensors files. Tensors are appended in the order added and streamed to disk
-// (the writer never holds a whole shard in memory). A writer destroyed before a successful
-// Finish removes its partial file.
+// (the writer never holds a whole shard in memory). Bytes go to `<path>.partial`, renamed to
+// `path` by a successful Finish: a reader never sees a half-written file, and a process that
+// has the old file mapped keeps its pages (rewriting it in place would SIGBUS it). A writer
+// destroyed before Finish removes its partial file.
 class SafetensorsWriter {
  public:
   struct PendingTensor {
@@ -117,6 +119,7 @@ class SafetensorsWriter {
   absl::Status WriteFully(const uint8_t* data, size_t size);
   absl::Status Flush();
   std::string path_;
+  std::string partial_path_;
   int fd_ = -1;
   uint64_t expected_bytes_ = 0;
   uint64_t written_bytes_ = 0;

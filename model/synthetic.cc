@@ -601,11 +601,17 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const MoeConfig& c
   struct statvfs vfs;
   if (::statvfs(dir.c_str(), &vfs) != 0)
     return absl::InternalError(absl::StrCat("cannot statvfs ", dir));
+  // Files being replaced free their space as each new shard is renamed over them, so all
+  // but the largest of them count as available.
   uint64_t available = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  uint64_t largest_old = 0;
   for (const Shard& shard : shards) {
     const uintmax_t old = fs::file_size(dir + "/" + shard.file_name, ec);
-    if (!ec) available += old;
+    if (ec) continue;
+    available += old;
+    largest_old = std::max<uint64_t>(largest_old, old);
   }
+  available -= largest_old;
   const uint64_t needed = total_bytes + 512 * units.size() * 6 + (16 << 20);
   if (needed > available)
     return absl::ResourceExhaustedError(absl::StrCat("not enough disk space in ", dir,

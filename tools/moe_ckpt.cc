@@ -33,7 +33,8 @@ options:
   --top-k N                experts per token
   --shared-experts N       shared experts (0 = none)
   --expert-format F        routed experts: bf16 | mxfp4 | fp8
-  --dense-format F         shared experts and latent projections: bf16 | fp8
+  --dense-format F         shared experts and latent projections: bf16 | fp8 (default: fp8
+                           with fp8 experts, else bf16)
   --scaling-factor X       routed_scaling_factor
   --router-skew X          add X to the router bias of the first 10% of experts
   --shard-size-mb N        maximum shard size (default 4096)
@@ -146,8 +147,14 @@ int main(int argc, char** argv) {
   if (has("--shared-experts"))
     config.num_shared_experts =
         static_cast<int>(ParseInt("--shared-experts", get("--shared-experts"), 0));
-  if (has("--expert-format"))
+  if (has("--expert-format")) {
     config.expert_format = ParseFormat("--expert-format", get("--expert-format"), true);
+    // Unless told otherwise, the dense weights follow: config.json can only say fp8/fp8,
+    // mxfp4/bf16 or bf16/bf16.
+    config.dense_format = config.expert_format == moe::WeightFormat::kFP8Block128
+                              ? moe::WeightFormat::kFP8Block128
+                              : moe::WeightFormat::kBF16;
+  }
   if (has("--dense-format"))
     config.dense_format = ParseFormat("--dense-format", get("--dense-format"), false);
   if (has("--scaling-factor"))
@@ -169,11 +176,11 @@ int main(int argc, char** argv) {
     return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   std::printf(
-      "wrote %s: %s, MoE layers %s, %d experts/layer (experts %s, dense %s), %.2f GB in %zu "
+      "wrote %s: %s, MoE layers %s, %d experts/layer (experts %s, dense %s), %.1f MB in %zu "
       "files, %.1f s (%.0f MB/s)\n",
       out.c_str(), moe::ModelFamilyName(config.family), absl::StrJoin(summary.layers, ",").c_str(),
       summary.num_experts, moe::WeightFormatName(config.expert_format),
-      moe::WeightFormatName(config.dense_format), summary.file_bytes / 1e9, summary.files.size(),
+      moe::WeightFormatName(config.dense_format), summary.file_bytes / 1e6, summary.files.size(),
       summary.seconds, summary.seconds > 0 ? summary.file_bytes / 1e6 / summary.seconds : 0.0);
   return 0;
 }

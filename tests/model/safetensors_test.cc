@@ -147,6 +147,7 @@ TEST(SafetensorsWriterTest, ByteCountIsChecked) {
   }
   // An unfinished writer leaves no partial file behind.
   EXPECT_FALSE(fs::exists(dir + "/short.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/short.safetensors.partial"));
 
   auto writer = SafetensorsWriter::Create(dir + "/long.safetensors", {{"t", DType::kU8, {4}}});
   ASSERT_TRUE(writer.ok());
@@ -158,6 +159,21 @@ TEST(SafetensorsWriterTest, ByteCountIsChecked) {
                    .ok());
   EXPECT_EQ(SafetensorsWriter::Create(dir + "/no/such/dir/x.safetensors", {}).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+TEST(SafetensorsWriterTest, RewritingAMappedFileLeavesTheMappingIntact) {
+  const std::string path = FreshDir("rewrite") + "/x.safetensors";
+  const auto tensors = ThreeTensors();
+  ASSERT_TRUE(WriteFile(path, tensors).ok());
+  auto old_file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(old_file.ok());
+  ASSERT_TRUE(WriteFile(path, {MakeTensor("other", DType::kU8, {1}, 8)}).ok());
+  // The old mapping still reads the old bytes (an in-place truncation would SIGBUS here).
+  auto bytes = (*old_file)->Data(*(*old_file)->Find("c.packed"));
+  EXPECT_EQ(std::vector<uint8_t>(bytes.begin(), bytes.end()), tensors[2].bytes);
+  auto new_file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(new_file.ok());
+  EXPECT_EQ((*new_file)->tensors().size(), 1u);
 }
 
 // Malformed files: each error is InvalidArgument and names the file (and the tensor).
