@@ -92,15 +92,18 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
   const size_t payload_bytes = bytes.size() - header_start - header_len;
 
   size_t elem;
-  if (descr == "<f4" || descr == "<i4")
+  if (descr == "|b1" || descr == "|u1" || descr == "|i1")
+    elem = 1;
+  else if (descr == "<f4" || descr == "<i4")
     elem = 4;
   else if (descr == "<f2")
     elem = 2;
   else if (descr == "<f8" || descr == "<i8")
     elem = 8;
   else
-    return absl::InvalidArgumentError(absl::StrCat(what, ": unsupported .npy dtype '", descr,
-                                                   "' (float16, float32, float64, int32, int64)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": unsupported .npy dtype '", descr,
+                     "' (float16, float32, float64, int32, int64, bool, uint8)"));
   if (payload_bytes != static_cast<size_t>(n) * elem)
     return Malformed(what,
                      absl::StrCat("payload is ", payload_bytes, " bytes, shape needs ", n * elem));
@@ -122,6 +125,11 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
       std::memcpy(&d, payload + 8 * i, 8);
       out.data[i] = static_cast<float>(d);
     }
+  } else if (elem == 1) {
+    out.ints.resize(n);
+    for (int64_t i = 0; i < n; ++i)
+      out.ints[i] =
+          descr == "|i1" ? static_cast<int8_t>(payload[i]) : static_cast<uint8_t>(payload[i]);
   } else if (descr == "<i4") {
     out.ints.resize(n);
     std::memcpy(out.ints.data(), payload, n * 4);

@@ -19,7 +19,7 @@ struct NpyArray {
   int64_t num_elements() const;
 };
 
-// Reads float16/float32/float64 (into data) or int32/int64 (into ints) arrays.
+// Reads float16/float32/float64 (into data) or int32/int64/int8/uint8/bool (into ints) arrays.
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path);
 absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& what);
 
