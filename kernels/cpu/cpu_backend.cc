@@ -169,6 +169,8 @@ absl::Status CpuBackend::SelectExperts(ConstMatrixView logits, const float* bias
   const int groups = std::max(1, params.n_group);
   if (E % groups != 0 || params.topk_group < 1 || params.topk_group > groups)
     return ShapeError("SelectExperts", "bad expert grouping");
+  // As both seed gates do: a single expert keeps its raw score (no renormalization).
+  const bool renormalize = params.renormalize && k > 1;
   std::lock_guard<std::mutex> lock(mu_);
   pool_.ParallelFor(logits.rows, [&](int64_t b, int64_t e_end, int) {
     std::vector<float> score(E), biased(E);
@@ -218,7 +220,7 @@ absl::Status CpuBackend::SelectExperts(ConstMatrixView logits, const float* bias
         sum = sum + out_w[j];
       }
       for (int j = 0; j < k; ++j) {
-        if (params.renormalize) out_w[j] = out_w[j] / (sum + 1e-20f);
+        if (renormalize) out_w[j] = out_w[j] / (sum + 1e-20f);
         out_w[j] = out_w[j] * params.routed_scaling_factor;
       }
     }

@@ -12,7 +12,7 @@ namespace {
 double RoundBf16Reference(double x) {
   if (x == 0 || std::isinf(x)) return x;
   int exp;
-  std::frexp(x, &exp);                        // x = m * 2^exp, 0.5 <= |m| < 1
+  std::frexp(x, &exp);                          // x = m * 2^exp, 0.5 <= |m| < 1
   const double ulp = std::ldexp(1.0, exp - 8);  // 8 significant bits
   const double q = x / ulp;
   double r = std::floor(q);
@@ -74,8 +74,10 @@ TEST(NumericsTest, Fp8E4m3DecodesEveryCode) {
 // Exhaustive: all 16 E2M1 nibbles and all 256 E8M0 scales.
 TEST(NumericsTest, Mxfp4DecodesEveryNibbleAndScale) {
   const float magnitudes[8] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
-  for (int n = 0; n < 16; ++n) EXPECT_EQ(E2m1ToFloat(static_cast<uint8_t>(n)), (n & 8 ? -1 : 1) * magnitudes[n & 7]);
-  for (int e = 0; e < 255; ++e) EXPECT_EQ(E8m0ToFloat(static_cast<uint8_t>(e)), std::ldexp(1.0f, e - 127)) << e;
+  for (int n = 0; n < 16; ++n)
+    EXPECT_EQ(E2m1ToFloat(static_cast<uint8_t>(n)), (n & 8 ? -1 : 1) * magnitudes[n & 7]);
+  for (int e = 0; e < 255; ++e)
+    EXPECT_EQ(E8m0ToFloat(static_cast<uint8_t>(e)), std::ldexp(1.0f, e - 127)) << e;
   EXPECT_TRUE(std::isnan(E8m0ToFloat(255)));
   // Scaled values are exact in bf16 (the contract's "dequantized exactly").
   for (int e = 1; e < 255; ++e)

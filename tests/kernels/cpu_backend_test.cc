@@ -105,7 +105,7 @@ void ReferenceSelect(const std::vector<float>& logits, int64_t T, const std::vec
     for (int j = 0; j < rp.top_k; ++j) {
       ids->push_back(order[j]);
       double w = static_cast<float>(s[order[j]]);
-      if (rp.renormalize) w /= sum + 1e-20;
+      if (rp.renormalize && rp.top_k > 1) w /= sum + 1e-20;
       weights->push_back(static_cast<float>(w * rp.routed_scaling_factor));
     }
   }
