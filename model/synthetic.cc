@@ -591,16 +591,15 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const MoeConfig& c
   for (size_t s = 0; s < shards.size(); ++s)
     shards[s].file_name = absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size());
 
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec)
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot create directory ", dir, ": ", ec.message()));
-
   // Space: data plus headers (a few hundred bytes per tensor), minus files being replaced.
+  // Checked on the nearest existing ancestor so a failed check leaves no directory behind.
+  std::error_code ec;
+  fs::path probe = fs::absolute(dir, ec);
+  while (!fs::exists(probe, ec) && probe.has_parent_path() && probe != probe.parent_path())
+    probe = probe.parent_path();
   struct statvfs vfs;
-  if (::statvfs(dir.c_str(), &vfs) != 0)
-    return absl::InternalError(absl::StrCat("cannot statvfs ", dir));
+  if (::statvfs(probe.c_str(), &vfs) != 0)
+    return absl::InternalError(absl::StrCat("cannot statvfs ", probe.string()));
   // Files being replaced free their space as each new shard is renamed over them, so all
   // but the largest of them count as available.
   uint64_t available = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
@@ -617,6 +616,11 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const MoeConfig& c
     return absl::ResourceExhaustedError(absl::StrCat("not enough disk space in ", dir,
                                                      ": the checkpoint needs ", HumanBytes(needed),
                                                      ", ", HumanBytes(available), " available"));
+
+  fs::create_directories(dir, ec);
+  if (ec)
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create directory ", dir, ": ", ec.message()));
 
   SyntheticSummary result;
   result.layers = layers;

@@ -422,5 +422,16 @@ TEST(SyntheticCheckpointTest, InvalidRequests) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(SyntheticCheckpointTest, DiskSpaceIsCheckedFirst) {
+  MoeConfig huge = *SyntheticPreset("kimi-k3");
+  huge.expert_format = WeightFormat::kBF16;
+  huge.expert_hidden_size = 3072 * 256;  // ~15 TB of experts
+  const std::string dir = FreshDir("huge");
+  const absl::Status s = WriteSyntheticCheckpoint(dir, huge, {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_CONTAINS(s.message(), "not enough disk space");
+  EXPECT_FALSE(fs::exists(dir));
+}
+
 }  // namespace
 }  // namespace moe
