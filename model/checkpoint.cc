@@ -9,7 +9,6 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -221,7 +220,7 @@ absl::StatusOr<GatewayLayerWeights> Checkpoint::LoadGatewayLayer(int layer) cons
   const MoeConfig& c = config_;
   const std::string p = LayerPrefix(layer);
   const int64_t experts = c.routing.num_experts;
-  std::vector<Located> touched;  // unused: the gateway's tensors are read right away anyway
+  std::vector<Located> touched;  // not prefetched: the gateway reads its tensors right away
 
   GatewayLayerWeights w;
   w.layer = layer;
