@@ -1,0 +1,92 @@
+// The step exchange between the gateway and its ranks: one interface, two peers.
+//
+//   gRPC (transport/grpc_transport.h): persistent bidirectional streams, any host, CPU or GPU.
+//   NCCL (transport/nccl_transport.h): the gateway and the ranks form one communicator;
+//        counts first, then rows, then partial sums, as grouped ncclSend/ncclRecv.
+//
+// One step, as the gateway sees it:
+//   Send(dispatch)   rank r receives the expert-input rows of the tokens that chose at least
+//                    one of its experts (each token once), with per row its local expert ids
+//                    and gates (RowAssignments). Ranks that get no rows get no message.
+//   Collect(...)     waits for one fp64 partial sum per row from every rank that got rows,
+//                    and hands them over in ascending rank order.
+// A rank's view: Receive() the next step, compute, Reply() with the partial sums.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "model/dispatch.h"
+
+namespace moe {
+
+// What one rank gets in a step. `rows` lives in the gateway backend's memory.
+struct RankPart {
+  int rank = 0;
+  ConstMatrixView rows;                      // [num_rows, width], fp32 storage
+  const RowAssignments* assignments = nullptr;
+};
+
+struct StepDispatch {
+  uint64_t step_id = 0;
+  int layer = 0;
+  Precision precision = Precision::kBF16;
+  std::vector<RankPart> parts;  // ascending rank, non-empty parts only
+};
+
+// Per-rank statistics returned with a result.
+struct RankStepStats {
+  int64_t compute_us = 0;
+  int active_experts = 0;  // distinct local experts touched
+};
+
+class GatewayTransport {
+ public:
+  virtual ~GatewayTransport() = default;
+  virtual std::string name() const = 0;
+
+  // Starts a step (non-blocking where the transport allows). Fails with UNAVAILABLE when a
+  // rank that gets rows is down.
+  virtual absl::Status Send(const StepDispatch& dispatch) = 0;
+
+  // Waits for the partial sums of `dispatch` and calls consume(part index, partial) in
+  // ascending rank order; `partial` ([rows, width] fp64) lives in the gateway backend's
+  // memory and is valid during the call. Errors: UNAVAILABLE (a rank died or reported an
+  // internal failure), DEADLINE_EXCEEDED (deadline passed), or the rank's own error.
+  virtual absl::Status Collect(const StepDispatch& dispatch, absl::Time deadline,
+                               const std::function<absl::Status(size_t, ConstPartialView, const RankStepStats&)>&
+                                   consume) = 0;
+
+  // Gives up on a step (after a failure): late results are dropped.
+  virtual void Abandon(uint64_t step_id) = 0;
+};
+
+// A step as a rank receives it; `rows` lives in the rank backend's memory and stays valid
+// until the next Receive.
+struct ReceivedStep {
+  uint64_t step_id = 0;
+  int layer = 0;
+  Precision precision = Precision::kBF16;
+  ConstMatrixView rows;
+  RowAssignments assignments;
+};
+
+class RankTransport {
+ public:
+  virtual ~RankTransport() = default;
+  virtual std::string name() const = 0;
+  // Blocks for the next step. CANCELLED when the gateway closed the exchange (shutdown),
+  // UNAVAILABLE when the connection broke.
+  virtual absl::StatusOr<ReceivedStep> Receive() = 0;
+  // Sends the step's partial sums ([rows, width] fp64, rank backend memory) or its error.
+  virtual absl::Status Reply(uint64_t step_id, const absl::StatusOr<ConstPartialView>& partial,
+                             const RankStepStats& stats) = 0;
+};
+
+}  // namespace moe
