@@ -29,7 +29,7 @@ namespace moe {
 // What one rank gets in a step. `rows` lives in the gateway backend's memory.
 struct RankPart {
   int rank = 0;
-  ConstMatrixView rows;                      // [num_rows, width], fp32 storage
+  ConstMatrixView rows;  // [num_rows, width], fp32 storage
   const RowAssignments* assignments = nullptr;
 };
 
@@ -59,9 +59,10 @@ class GatewayTransport {
   // ascending rank order; `partial` ([rows, width] fp64) lives in the gateway backend's
   // memory and is valid during the call. Errors: UNAVAILABLE (a rank died or reported an
   // internal failure), DEADLINE_EXCEEDED (deadline passed), or the rank's own error.
-  virtual absl::Status Collect(const StepDispatch& dispatch, absl::Time deadline,
-                               const std::function<absl::Status(size_t, ConstPartialView, const RankStepStats&)>&
-                                   consume) = 0;
+  virtual absl::Status Collect(
+      const StepDispatch& dispatch, absl::Time deadline,
+      const std::function<absl::Status(size_t, ConstPartialView, const RankStepStats&)>&
+          consume) = 0;
 
   // Gives up on a step (after a failure): late results are dropped.
   virtual void Abandon(uint64_t step_id) = 0;

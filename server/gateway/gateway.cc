@@ -1,0 +1,166 @@
+#include "server/gateway/gateway.h"
+
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "core/status.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "server/gateway/services.h"
+
+namespace moe {
+namespace {
+
+std::string NewSession() {
+  std::random_device rd;
+  return absl::StrFormat("%08x%08x", rd(), rd());
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options) {
+  if (options.num_ranks < 1) return absl::InvalidArgumentError("--ranks must be at least 1");
+  if (options.transport != "grpc")
+    return absl::UnimplementedError(
+        absl::StrCat("transport '", options.transport, "' is not available in this build (grpc)"));
+  std::unique_ptr<Gateway> gateway(new Gateway(options));
+  ASSIGN_OR_RETURN(gateway->checkpoint_, Checkpoint::Open(options.checkpoint));
+  const MoeConfig& config = gateway->checkpoint_->config();
+  std::vector<int> layers = options.layers;
+  if (layers.empty()) layers = gateway->checkpoint_->layers();
+  for (int layer : layers)
+    if (!gateway->checkpoint_->HasLayer(layer))
+      return absl::NotFoundError(absl::StrCat(
+          "layer ", layer, " is not in ", options.checkpoint,
+          " (MoE layers present: ", absl::StrJoin(gateway->checkpoint_->layers(), ", "), ")"));
+  if (layers.empty())
+    return absl::NotFoundError(absl::StrCat(options.checkpoint, " has no MoE layers"));
+
+  ExpertPlacement placement;
+  if (!options.placement_file.empty()) {
+    std::ifstream in(options.placement_file);
+    if (!in)
+      return absl::NotFoundError(
+          absl::StrCat("cannot open placement file ", options.placement_file));
+    std::stringstream text;
+    text << in.rdbuf();
+    ASSIGN_OR_RETURN(placement, ExpertPlacement::Parse(config.routing.num_experts, text.str()));
+    if (placement.num_ranks() != options.num_ranks)
+      return absl::InvalidArgumentError(absl::StrCat("placement file has ", placement.num_ranks(),
+                                                     " ranks, --ranks is ", options.num_ranks));
+  } else {
+    placement = ExpertPlacement::Contiguous(config.routing.num_experts, options.num_ranks);
+  }
+
+  gateway->backend_ = std::make_unique<CpuBackend>(options.cpu);
+  gateway->transport_ =
+      std::make_unique<GrpcGatewayTransport>(options.num_ranks, gateway->backend_.get());
+  ASSIGN_OR_RETURN(
+      gateway->engine_,
+      GatewayEngine::Create(*gateway->checkpoint_, layers, std::move(placement), options.precision,
+                            gateway->backend_.get(), gateway->transport_.get()));
+  gateway->batcher_ = std::make_unique<StepBatcher>(gateway->engine_.get(), options.batcher);
+  gateway->ranks_.resize(options.num_ranks);
+  gateway->session_ = NewSession();
+  gateway->transport_->SetRankStateCallback(
+      [g = gateway.get()](int rank, bool up) { g->OnRankState(rank, up); });
+  return gateway;
+}
+
+Gateway::Gateway(const GatewayOptions& options) : options_(options) {}
+
+Gateway::~Gateway() { Shutdown(absl::Seconds(1)); }
+
+absl::Status Gateway::Start() {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  moe_service_ = std::make_unique<MoeServiceImpl>(this);
+  control_service_ = std::make_unique<RankControlServiceImpl>(this);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat(options_.host, ":", options_.port),
+                           grpc::InsecureServerCredentials(), &port_);
+  builder.SetMaxReceiveMessageSize(
+      static_cast<int>(std::min<int64_t>(options_.max_message_bytes, INT32_MAX)));
+  builder.SetMaxSendMessageSize(
+      static_cast<int>(std::min<int64_t>(options_.max_message_bytes, INT32_MAX)));
+  builder.RegisterService(moe_service_.get());
+  builder.RegisterService(control_service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0)
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options_.host, ":", options_.port));
+  std::lock_guard<std::mutex> lock(health_mu_);
+  health_ = server_->GetHealthCheckService();
+  health_->SetServingStatus(ready());
+  return absl::OkStatus();
+}
+
+void Gateway::Shutdown(absl::Duration grace) {
+  {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    if (health_ != nullptr) health_->SetServingStatus(false);
+    health_ = nullptr;
+  }
+  if (server_ != nullptr) {
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    server_->Wait();
+    server_.reset();
+  }
+  batcher_.reset();
+}
+
+void Gateway::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
+
+bool Gateway::ready() const { return transport_->num_up() == options_.num_ranks; }
+
+std::string Gateway::ReadinessMessage() const {
+  return absl::StrCat(transport_->num_up(), " of ", options_.num_ranks, " ranks up");
+}
+
+absl::StatusOr<int> Gateway::ClaimRank(int requested) {
+  std::lock_guard<std::mutex> lock(ranks_mu_);
+  const int n = static_cast<int>(ranks_.size());
+  if (requested >= n)
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", requested, " requested, the gateway has ", n, " ranks"));
+  if (requested >= 0) {
+    if (transport_->IsUp(requested))
+      return absl::AlreadyExistsError(
+          absl::StrCat("rank ", requested, " is already registered and up"));
+    return requested;
+  }
+  for (int r = 0; r < n; ++r)
+    if (!ranks_[r].registered) return r;
+  for (int r = 0; r < n; ++r)
+    if (!transport_->IsUp(r)) return r;
+  return absl::ResourceExhaustedError(absl::StrCat("all ", n, " ranks are registered and up"));
+}
+
+void Gateway::UpdateRank(int rank, const RankRecord& record) {
+  std::lock_guard<std::mutex> lock(ranks_mu_);
+  ranks_[rank] = record;
+}
+
+std::vector<RankRecord> Gateway::ranks() const {
+  std::lock_guard<std::mutex> lock(ranks_mu_);
+  return ranks_;
+}
+
+void Gateway::OnRankState(int rank, bool up) {
+  const bool all_up = ready();
+  std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
+               ReadinessMessage().c_str());
+  if (all_up) std::fprintf(stderr, "moe-gateway: ready (%d ranks)\n", options_.num_ranks);
+  std::fflush(stderr);
+  std::lock_guard<std::mutex> lock(health_mu_);
+  if (health_ != nullptr) health_->SetServingStatus(all_up);
+}
+
+}  // namespace moe

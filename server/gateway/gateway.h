@@ -1,0 +1,99 @@
+// The gateway process: public gRPC API, rank control plane, batching, the layer math.
+//
+//   Gateway::Create   loads the checkpoint's gateway tensors, builds backend + transport
+//   Gateway::Start    serves moe.v1.MoeService, moe.v1.internal.RankControl, grpc.health.v1
+//                     and server reflection; NOT_SERVING until every rank has loaded
+//   Gateway::Shutdown graceful stop
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "model/checkpoint.h"
+#include "server/gateway/gateway_engine.h"
+#include "server/gateway/step_batcher.h"
+#include "transport/grpc_transport.h"
+
+namespace moe {
+
+class MoeServiceImpl;
+class RankControlServiceImpl;
+
+struct GatewayOptions {
+  std::string checkpoint;        // checkpoint directory (config.json + safetensors)
+  std::vector<int> layers;       // served MoE layers; empty = all layers in the checkpoint
+  int num_ranks = 1;             // expert ranks to wait for
+  std::string host = "0.0.0.0";  // listen address
+  int port = 50051;              // 0 = pick a free port (see Gateway::port)
+  Precision precision = Precision::kBF16;
+  std::string transport = "grpc";  // "grpc" (CPU hosts) or "nccl" (GPUs)
+  std::string placement_file;      // explicit rank -> experts map; default: contiguous ranges
+  BatcherOptions batcher;
+  int64_t max_request_tokens = 4096;
+  CpuBackendOptions cpu;                         // gateway compute threads
+  int64_t max_message_bytes = int64_t{1} << 30;  // gRPC message limit (large K3 batches)
+};
+
+// What a rank told us about itself (model info).
+struct RankRecord {
+  bool registered = false;
+  std::string hostname;
+  std::string backend;
+  int64_t weight_bytes = 0;
+};
+
+class Gateway {
+ public:
+  static absl::StatusOr<std::unique_ptr<Gateway>> Create(const GatewayOptions& options);
+  ~Gateway();
+
+  absl::Status Start();
+  // Stops accepting calls, finishes in-flight ones within `grace`, then cancels the rest.
+  void Shutdown(absl::Duration grace = absl::Seconds(5));
+  void Wait();
+
+  int port() const { return port_; }
+  bool ready() const;
+  std::string ReadinessMessage() const;  // "3 of 4 ranks up" when not ready
+  const GatewayOptions& options() const { return options_; }
+  const Checkpoint& checkpoint() const { return *checkpoint_; }
+  GatewayEngine& engine() { return *engine_; }
+  StepBatcher& batcher() { return *batcher_; }
+  GrpcGatewayTransport& grpc_transport() { return *transport_; }
+  const std::string& session() const { return session_; }
+  std::string backend_name() const { return backend_->name(); }
+
+  // Rank bookkeeping (control plane).
+  absl::StatusOr<int> ClaimRank(int requested);
+  void UpdateRank(int rank, const RankRecord& record);
+  std::vector<RankRecord> ranks() const;
+
+ private:
+  explicit Gateway(const GatewayOptions& options);
+  void OnRankState(int rank, bool up);
+
+  GatewayOptions options_;
+  std::unique_ptr<Checkpoint> checkpoint_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<GrpcGatewayTransport> transport_;
+  std::unique_ptr<GatewayEngine> engine_;
+  std::unique_ptr<StepBatcher> batcher_;
+  std::unique_ptr<MoeServiceImpl> moe_service_;
+  std::unique_ptr<RankControlServiceImpl> control_service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::mutex health_mu_;
+  grpc::HealthCheckServiceInterface* health_ = nullptr;  // guarded by health_mu_
+  int port_ = 0;
+  std::string session_;
+  mutable std::mutex ranks_mu_;
+  std::vector<RankRecord> ranks_;
+};
+
+}  // namespace moe

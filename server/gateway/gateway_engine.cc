@@ -1,0 +1,144 @@
+#include "server/gateway/gateway_engine.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+namespace moe {
+namespace {
+
+// Workspace slots of one layer's step; rank row buffers follow kRankRows.
+enum Slot { kInput, kExpertInput, kShared, kCombined, kOutput, kRankRows };
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GatewayEngine>> GatewayEngine::Create(
+    const Checkpoint& checkpoint, const std::vector<int>& layers, ExpertPlacement placement,
+    Precision precision, Backend* backend, GatewayTransport* transport) {
+  std::unique_ptr<GatewayEngine> engine(new GatewayEngine());
+  engine->config_ = checkpoint.config();
+  engine->precision_ = precision;
+  engine->placement_ = std::move(placement);
+  engine->backend_ = backend;
+  engine->transport_ = transport;
+  if (engine->placement_.num_experts != engine->config_.routing.num_experts)
+    return absl::InvalidArgumentError(
+        absl::StrCat("placement covers ", engine->placement_.num_experts,
+                     " experts, the model has ", engine->config_.routing.num_experts));
+  for (int layer : layers) {
+    auto state = std::make_unique<LayerState>();
+    ASSIGN_OR_RETURN(GatewayLayerWeights weights, checkpoint.LoadGatewayLayer(layer));
+    ASSIGN_OR_RETURN(state->math, GatewayLayer::Create(engine->config_, weights, backend));
+    state->workspace = std::make_unique<Workspace>(backend);
+    engine->layers_[layer] = std::move(state);
+  }
+  return engine;
+}
+
+std::vector<int> GatewayEngine::layers() const {
+  std::vector<int> out;
+  for (const auto& [layer, state] : layers_) out.push_back(layer);
+  return out;
+}
+
+GatewayLayer* GatewayEngine::layer(int index) {
+  auto it = layers_.find(index);
+  return it == layers_.end() ? nullptr : it->second->math.get();
+}
+
+absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, absl::Time deadline,
+                                    float* out, Routing* routing_out) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end())
+    return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
+  LayerState& state = *it->second;
+  std::lock_guard<std::mutex> lock(state.mu);
+  Workspace& ws = *state.workspace;
+  const int64_t H = config_.hidden_size, D = config_.expert_input_size();
+  const int R = placement_.num_ranks();
+  const absl::Time t0 = absl::Now();
+  StepStats stats;
+  stats.layer = layer;
+  stats.tokens = tokens;
+  stats.step_id = next_step_id_.fetch_add(1);
+
+  // Route and project.
+  ASSIGN_OR_RETURN(MatrixView input, ws.Matrix(kInput, tokens, H));
+  RETURN_IF_ERROR(backend_->CopyToBackend(input.data, x, tokens * H * sizeof(float)));
+  RETURN_IF_ERROR(RoundInput(backend_, input, precision_));
+  Routing routing;
+  std::vector<float> scores;
+  const bool want_scores = observer_ != nullptr && observer_->WantsRouterScores();
+  ASSIGN_OR_RETURN(MatrixView expert_input, ws.Matrix(kExpertInput, tokens, D));
+  RETURN_IF_ERROR(state.math->Route(input, precision_, &routing, expert_input,
+                                    want_scores ? &scores : nullptr));
+  ASSIGN_OR_RETURN(DispatchPlan plan, DispatchPlan::Build(routing, placement_));
+  const absl::Time t_routed = absl::Now();
+
+  // Dispatch: each rank gets the rows of the tokens that chose one of its experts, once.
+  StepDispatch dispatch;
+  dispatch.step_id = stats.step_id;
+  dispatch.layer = layer;
+  dispatch.precision = precision_;
+  stats.rank_rows.assign(R, 0);
+  stats.rank_active_experts.assign(R, 0);
+  stats.rank_bytes_sent.assign(R, 0);
+  stats.rank_bytes_received.assign(R, 0);
+  const size_t row_bytes = D * (precision_ == Precision::kBF16 ? 2 : 4);
+  for (int r = 0; r < R; ++r) {
+    const RankDispatch& rd = plan.ranks[r];
+    const int64_t m = static_cast<int64_t>(rd.token_rows.size());
+    stats.rank_rows[r] = m;
+    if (m == 0) continue;
+    ASSIGN_OR_RETURN(MatrixView rows, ws.Matrix(kRankRows + r, m, D));
+    RETURN_IF_ERROR(backend_->GatherRows(expert_input, rd.token_rows, rows));
+    dispatch.parts.push_back({r, rows, &rd.assignments});
+    stats.rank_bytes_sent[r] = m * row_bytes;
+    stats.rank_bytes_received[r] = m * D * sizeof(double);
+  }
+  absl::Status status = transport_->Send(dispatch);
+  const absl::Time t_sent = absl::Now();
+
+  // The shared experts run while the ranks compute.
+  ASSIGN_OR_RETURN(MatrixView shared, ws.Matrix(kShared, tokens, H));
+  ASSIGN_OR_RETURN(PartialView combined, ws.Partial(kCombined, tokens, D));
+  if (status.ok()) status = state.math->SharedExperts(input, precision_, shared);
+  if (status.ok()) status = backend_->Zero(combined);
+  absl::Time t_collected = absl::Now();
+  if (status.ok()) {
+    status = transport_->Collect(
+        dispatch, deadline,
+        [&](size_t part, ConstPartialView partial, const RankStepStats& rank_stats) {
+          const int rank = dispatch.parts[part].rank;
+          stats.rank_active_experts[rank] = rank_stats.active_experts;
+          return backend_->ScatterAddRows(partial, plan.ranks[rank].token_rows, combined);
+        });
+    t_collected = absl::Now();
+  }
+  if (!status.ok()) {
+    transport_->Abandon(dispatch.step_id);
+    stats.ok = false;
+    stats.total = absl::Now() - t0;
+    if (observer_ != nullptr) observer_->OnStep(stats);
+    return status;
+  }
+
+  ASSIGN_OR_RETURN(MatrixView output, ws.Matrix(kOutput, tokens, H));
+  RETURN_IF_ERROR(state.math->Finish(combined, shared, precision_, output));
+  RETURN_IF_ERROR(backend_->CopyToHost(out, output.data, tokens * H * sizeof(float)));
+  const absl::Time t_done = absl::Now();
+
+  stats.route = t_routed - t0;
+  stats.dispatch = t_sent - t_routed;
+  stats.expert_compute =
+      t_collected - t_sent;  // ranks' compute + exchange, overlapping the shared experts
+  stats.finish = t_done - t_collected;
+  stats.combine = stats.finish;
+  stats.total = t_done - t0;
+  stats.routing = &routing;
+  if (want_scores) stats.router_scores = &scores;
+  if (observer_ != nullptr) observer_->OnStep(stats);
+  if (routing_out != nullptr) *routing_out = std::move(routing);
+  return absl::OkStatus();
+}
+
+}  // namespace moe

@@ -1,0 +1,84 @@
+// The gateway's step: the layer math of model/moe_layer.h with the experts behind a transport.
+//
+//   route + down-projection -> dispatch (rank dedup) -> shared experts while the ranks work
+//   -> combine the ranks' fp64 partials in rank order -> round, RMSNorm, up-projection, + shared
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "model/checkpoint.h"
+#include "model/dispatch.h"
+#include "model/moe_layer.h"
+#include "transport/transport.h"
+
+namespace moe {
+
+// What one step did, for metrics and load-balance diagnostics.
+struct StepStats {
+  int layer = 0;
+  uint64_t step_id = 0;
+  int64_t tokens = 0;
+  absl::Duration route, dispatch, expert_compute, combine, finish, total;
+  std::vector<int64_t> rank_rows;        // token rows sent to each rank
+  std::vector<int> rank_active_experts;  // distinct local experts each rank used
+  std::vector<int64_t> rank_bytes_sent;  // row bytes on the wire to each rank
+  std::vector<int64_t> rank_bytes_received;
+  const Routing* routing = nullptr;                   // this step's router choices
+  const std::vector<float>* router_scores = nullptr;  // [tokens, E] sigmoid scores, when asked for
+  bool ok = true;
+};
+
+class StepObserver {
+ public:
+  virtual ~StepObserver() = default;
+  virtual void OnStep(const StepStats& stats) = 0;
+  // Whether OnStep wants the router's scores (costs a [tokens, E] copy per step).
+  virtual bool WantsRouterScores() const { return false; }
+};
+
+class GatewayEngine {
+ public:
+  // Loads the gateway tensors of `layers` and prepares them on `backend`.
+  static absl::StatusOr<std::unique_ptr<GatewayEngine>> Create(
+      const Checkpoint& checkpoint, const std::vector<int>& layers, ExpertPlacement placement,
+      Precision precision, Backend* backend, GatewayTransport* transport);
+
+  const MoeConfig& config() const { return config_; }
+  Precision precision() const { return precision_; }
+  const ExpertPlacement& placement() const { return placement_; }
+  std::vector<int> layers() const;
+  bool Serves(int layer) const { return layers_.count(layer) > 0; }
+  GatewayLayer* layer(int index);
+  void SetObserver(StepObserver* observer) { observer_ = observer; }
+
+  // One step over host arrays x, out: [tokens, H]. Thread-safe; steps of one layer run one
+  // at a time, steps of different layers may overlap.
+  absl::Status RunStep(int layer, const float* x, int64_t tokens, absl::Time deadline, float* out,
+                       Routing* routing);
+
+ private:
+  struct LayerState {
+    std::unique_ptr<GatewayLayer> math;
+    std::unique_ptr<Workspace> workspace;
+    std::mutex mu;
+  };
+  GatewayEngine() = default;
+
+  MoeConfig config_;
+  Precision precision_ = Precision::kBF16;
+  ExpertPlacement placement_;
+  Backend* backend_ = nullptr;
+  GatewayTransport* transport_ = nullptr;
+  std::map<int, std::unique_ptr<LayerState>> layers_;
+  std::atomic<uint64_t> next_step_id_{1};
+  StepObserver* observer_ = nullptr;
+};
+
+}  // namespace moe

@@ -1,0 +1,87 @@
+// moe-gateway: the public gRPC API of the MoE-layer service, the router, the shared experts
+// and the latent projections; expert ranks (moe-rank) register with it.
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/flags.h"
+#include "server/gateway/gateway.h"
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop = true; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  moe::GatewayOptions options;
+  std::string layers, dtype = "bf16";
+  int64_t max_wait_us = 500;
+  int64_t step_timeout_ms = 60000;
+  moe::Flags flags(
+      "usage: moe-gateway --checkpoint DIR --ranks N [--port P] [options]\n\n"
+      "Serves moe.v1.MoeService (Forward, ForwardStream, GetModelInfo), grpc.health.v1 and server\n"
+      "reflection; ready (SERVING) once every rank has registered and loaded its experts.");
+  flags.String("checkpoint", &options.checkpoint, "checkpoint directory");
+  flags.Int("ranks", &options.num_ranks, "number of expert ranks");
+  flags.String("host", &options.host, "listen address");
+  flags.Int("port", &options.port, "listen port (0 = any free port, printed at start)");
+  flags.String("layers", &layers,
+               "served MoE layers, comma separated (default: all in the checkpoint)");
+  flags.String("dtype", &dtype, "bf16 (the numerics contract) or fp32 (no intermediate rounding)");
+  flags.String("transport", &options.transport, "grpc (CPU hosts) or nccl (GPUs)");
+  flags.String("placement", &options.placement_file,
+               "expert placement file (one line of expert ids per rank)");
+  flags.Int("max-tokens-per-step", &options.batcher.max_tokens_per_step,
+            "tokens batched into one step");
+  flags.Int("max-wait-us", &max_wait_us, "how long a step waits for more requests");
+  flags.Int("max-request-tokens", &options.max_request_tokens,
+            "largest request (RESOURCE_EXHAUSTED beyond)");
+  flags.Int("max-queued-tokens", &options.batcher.max_queued_tokens,
+            "queue limit (RESOURCE_EXHAUSTED beyond)");
+  flags.Int("step-timeout-ms", &step_timeout_ms, "bound on one step's exchange with the ranks");
+  flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
+  flags.Require("checkpoint");
+  flags.ParseOrExit(argc, argv);
+  options.precision = dtype == "fp32" ? moe::Precision::kFP32 : moe::Precision::kBF16;
+  if (dtype != "bf16" && dtype != "fp32") {
+    std::fprintf(stderr, "moe-gateway: --dtype must be bf16 or fp32\n");
+    return 2;
+  }
+  for (absl::string_view part : absl::StrSplit(layers, ',', absl::SkipEmpty())) {
+    int layer;
+    if (!absl::SimpleAtoi(part, &layer)) {
+      std::fprintf(stderr, "moe-gateway: bad --layers entry '%s'\n", std::string(part).c_str());
+      return 2;
+    }
+    options.layers.push_back(layer);
+  }
+  options.batcher.max_wait = absl::Microseconds(max_wait_us);
+  options.batcher.step_timeout = absl::Milliseconds(step_timeout_ms);
+
+  auto gateway = moe::Gateway::Create(options);
+  if (!gateway.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", gateway.status().ToString().c_str());
+    return 1;
+  }
+  if (absl::Status s = (*gateway)->Start(); !s.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr,
+               "moe-gateway: serving %s on %s:%d, layers %s, backend %s; waiting for %d ranks\n",
+               options.checkpoint.c_str(), options.host.c_str(), (*gateway)->port(),
+               absl::StrJoin((*gateway)->engine().layers(), ",").c_str(),
+               (*gateway)->backend_name().c_str(), options.num_ranks);
+  std::fflush(stderr);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
+  std::fprintf(stderr, "moe-gateway: shutting down\n");
+  (*gateway)->Shutdown(absl::Seconds(5));
+  return 0;
+}

@@ -1,0 +1,32 @@
+// Validation of public Forward requests: every rejection has a precise status and message,
+// and nothing invalid reaches the batcher (so one caller cannot corrupt another's step).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/v1/moe.pb.h"
+#include "proto/tensor_codec.h"
+
+namespace moe {
+
+struct RequestLimits {
+  int64_t hidden_size = 0;
+  int64_t max_request_tokens = 0;
+  std::vector<int> layers;  // served layers
+};
+
+struct ValidatedRequest {
+  int layer = 0;
+  int64_t tokens = 0;
+  HostTensor input;  // shape as sent, values fp32
+  moe::v1::DType output_dtype = moe::v1::FP32;
+};
+
+// INVALID_ARGUMENT: dtype, shape, byte count, empty batch, NaN/Inf.
+// NOT_FOUND: layer not served. RESOURCE_EXHAUSTED: more tokens than the limit.
+absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRequest& request,
+                                                        const RequestLimits& limits);
+
+}  // namespace moe

@@ -1,0 +1,237 @@
+#include "server/gateway/services.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "proto/tensor_codec.h"
+#include "server/gateway/request_validation.h"
+#include "server/grpc_status.h"
+
+namespace moe {
+namespace {
+
+using moe::v1::ForwardRequest;
+using moe::v1::ForwardResponse;
+
+// Validates a request and turns it into a call for the batcher.
+absl::StatusOr<std::shared_ptr<ForwardCall>> MakeCall(Gateway& gateway,
+                                                      const ForwardRequest& request,
+                                                      absl::Time deadline,
+                                                      ValidatedRequest* validated) {
+  if (!gateway.ready())
+    return absl::UnavailableError(absl::StrCat("not ready: ", gateway.ReadinessMessage()));
+  RequestLimits limits{gateway.engine().config().hidden_size, gateway.options().max_request_tokens,
+                       gateway.engine().layers()};
+  auto v = ValidateForwardRequest(request, limits);
+  if (!v.ok()) return v.status();
+  *validated = std::move(*v);
+  auto call = std::make_shared<ForwardCall>();
+  call->layer = validated->layer;
+  call->tokens = validated->tokens;
+  call->input = std::move(validated->input.values);
+  call->deadline = deadline;
+  call->want_routing = request.return_routing();
+  return call;
+}
+
+void FillResponse(const ForwardCall& call, const ValidatedRequest& v, const ForwardRequest& request,
+                  ForwardResponse* response) {
+  response->set_request_id(request.request_id());
+  (void)EncodeTensor(call.output.data(), v.input.shape, v.output_dtype, response->mutable_output());
+  if (call.want_routing) {
+    auto* routing = response->mutable_routing();
+    routing->set_top_k(call.routing.top_k);
+    routing->mutable_expert_ids()->Add(call.routing.ids.begin(), call.routing.ids.end());
+    routing->mutable_weights()->Add(call.routing.weights.begin(), call.routing.weights.end());
+  }
+  auto* timing = response->mutable_timing();
+  timing->set_queue_us(absl::ToInt64Microseconds(call.queue_time));
+  timing->set_step_us(absl::ToInt64Microseconds(call.step_time));
+  timing->set_step_tokens(static_cast<int32_t>(call.step_tokens));
+}
+
+absl::Time DeadlineOf(const grpc::ServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+}  // namespace
+
+grpc::Status MoeServiceImpl::Forward(grpc::ServerContext* context, const ForwardRequest* request,
+                                     ForwardResponse* response) {
+  ValidatedRequest validated;
+  auto call = MakeCall(*gateway_, *request, DeadlineOf(*context), &validated);
+  if (!call.ok()) return ToGrpcStatus(call.status());
+  if (absl::Status s = gateway_->batcher().Submit(*call); !s.ok()) return ToGrpcStatus(s);
+  // Wait for the step, watching for the client going away.
+  while (!(*call)->done.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
+    if (context->IsCancelled()) {
+      (*call)->cancelled = true;
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+    }
+  }
+  if (!(*call)->status.ok()) return ToGrpcStatus((*call)->status);
+  FillResponse(**call, validated, *request, response);
+  return grpc::Status::OK;
+}
+
+grpc::Status MoeServiceImpl::ForwardStream(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<ForwardResponse, ForwardRequest>* stream) {
+  // Requests run concurrently; each response is written when its step completes.
+  std::mutex mu;
+  std::condition_variable cv;
+  int outstanding = 0;
+  bool broken = false;
+  auto write = [&](const ForwardResponse& response) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!broken && !stream->Write(response)) broken = true;
+  };
+  auto write_error = [&](const ForwardRequest& request, const absl::Status& status) {
+    ForwardResponse response;
+    response.set_request_id(request.request_id());
+    response.mutable_error()->set_code(static_cast<int>(status.code()));
+    response.mutable_error()->set_message(std::string(status.message()));
+    write(response);
+  };
+  std::vector<std::shared_ptr<ForwardCall>> calls;
+  ForwardRequest request;
+  while (stream->Read(&request)) {
+    auto validated = std::make_shared<ValidatedRequest>();
+    auto call = MakeCall(*gateway_, request, DeadlineOf(*context), validated.get());
+    if (!call.ok()) {
+      write_error(request, call.status());
+      continue;
+    }
+    auto owned_request = std::make_shared<ForwardRequest>();
+    owned_request->set_request_id(request.request_id());
+    owned_request->set_return_routing(request.return_routing());
+    (*call)->on_done = [&, validated, owned_request](ForwardCall& done) {
+      if (done.status.ok()) {
+        ForwardResponse response;
+        FillResponse(done, *validated, *owned_request, &response);
+        write(response);
+      } else {
+        write_error(*owned_request, done.status);
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      --outstanding;
+      cv.notify_all();
+    };
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++outstanding;
+    }
+    if (absl::Status s = gateway_->batcher().Submit(*call); !s.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        --outstanding;
+      }
+      write_error(request, s);
+      continue;
+    }
+    calls.push_back(*call);
+  }
+  // The client half-closed (or went away): finish what is in flight before returning, since
+  // the completions write to this stream.
+  std::unique_lock<std::mutex> lock(mu);
+  while (outstanding > 0) {
+    if (context->IsCancelled())
+      for (auto& call : calls) call->cancelled = true;
+    cv.wait_for(lock, std::chrono::milliseconds(20));
+  }
+  if (context->IsCancelled())
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the stream");
+  return grpc::Status::OK;
+}
+
+grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext*, const moe::v1::GetModelInfoRequest*,
+                                          moe::v1::ModelInfo* info) {
+  const MoeConfig& c = gateway_->engine().config();
+  info->set_family(ModelFamilyName(c.family));
+  info->set_model_type(c.model_type);
+  for (int layer : gateway_->engine().layers()) info->add_layers(layer);
+  info->set_hidden_size(c.hidden_size);
+  info->set_latent_size(c.latent_size);
+  info->set_expert_hidden_size(c.expert_hidden_size);
+  info->set_num_experts(c.routing.num_experts);
+  info->set_top_k(c.routing.top_k);
+  info->set_num_shared_experts(c.num_shared_experts);
+  info->set_expert_format(WeightFormatName(c.expert_format));
+  info->set_dense_format(WeightFormatName(c.dense_format));
+  info->set_precision(gateway_->engine().precision() == Precision::kBF16 ? "bf16" : "fp32");
+  info->set_transport(gateway_->options().transport);
+  info->set_max_tokens_per_step(gateway_->options().batcher.max_tokens_per_step);
+  info->set_max_request_tokens(gateway_->options().max_request_tokens);
+  info->set_checkpoint(gateway_->options().checkpoint);
+  const auto ranks = gateway_->ranks();
+  const ExpertPlacement& placement = gateway_->engine().placement();
+  for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
+    auto* rank = info->add_ranks();
+    rank->set_rank(r);
+    rank->set_address(ranks[r].hostname);
+    rank->set_ready(gateway_->grpc_transport().IsUp(r));
+    rank->set_backend(ranks[r].backend);
+    rank->set_weight_bytes(ranks[r].weight_bytes);
+    for (int e : placement.rank_experts[r]) rank->add_experts(e);
+  }
+  return grpc::Status::OK;
+}
+
+// ---- control plane ----------------------------------------------------------------------
+
+grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
+                                              const moe::v1::internal::RegisterRequest* request,
+                                              moe::v1::internal::RegisterResponse* response) {
+  auto rank = gateway_->ClaimRank(request->requested_rank());
+  if (!rank.ok()) return ToGrpcStatus(rank.status());
+  RankRecord record;
+  record.registered = true;
+  record.hostname = request->hostname().empty() ? context->peer() : request->hostname();
+  record.backend = request->backend();
+  gateway_->UpdateRank(*rank, record);
+  response->set_rank(*rank);
+  response->set_num_ranks(gateway_->options().num_ranks);
+  response->set_checkpoint(gateway_->options().checkpoint);
+  const ExpertPlacement& placement = gateway_->engine().placement();
+  for (int layer : gateway_->engine().layers()) {
+    auto* shard = response->add_shards();
+    shard->set_layer(layer);
+    for (int e : placement.rank_experts[*rank]) shard->add_experts(e);
+  }
+  response->set_precision(gateway_->engine().precision() == Precision::kBF16 ? "bf16" : "fp32");
+  response->set_transport(gateway_->options().transport);
+  response->set_max_tokens_per_step(gateway_->options().batcher.max_tokens_per_step);
+  response->set_session(gateway_->session());
+  return grpc::Status::OK;
+}
+
+grpc::Status RankControlServiceImpl::Exchange(grpc::ServerContext* context,
+                                              ExchangeServerStream* stream) {
+  moe::v1::internal::RankToGateway first;
+  if (!stream->Read(&first))
+    return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");
+  if (!first.has_hello())
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first exchange message must be a hello");
+  const auto& hello = first.hello();
+  if (hello.session() != gateway_->session())
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "stale session: the gateway restarted; register again");
+  const auto ranks = gateway_->ranks();
+  if (hello.rank() < 0 || hello.rank() >= static_cast<int>(ranks.size()) ||
+      !ranks[hello.rank()].registered)
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("rank ", hello.rank(), " did not register"));
+  RankRecord record = ranks[hello.rank()];
+  record.weight_bytes = hello.weight_bytes();
+  record.backend = hello.backend();
+  gateway_->UpdateRank(hello.rank(), record);
+  return ToGrpcStatus(gateway_->grpc_transport().ServeRank(hello.rank(), stream));
+}
+
+}  // namespace moe

@@ -1,0 +1,40 @@
+// The gateway's gRPC services. Thin: parse, call the gateway, map the status.
+#pragma once
+
+#include "moe/v1/internal.grpc.pb.h"
+#include "moe/v1/moe.grpc.pb.h"
+#include "server/gateway/gateway.h"
+
+namespace moe {
+
+class MoeServiceImpl final : public moe::v1::MoeService::Service {
+ public:
+  explicit MoeServiceImpl(Gateway* gateway) : gateway_(gateway) {}
+
+  grpc::Status Forward(grpc::ServerContext* context, const moe::v1::ForwardRequest* request,
+                       moe::v1::ForwardResponse* response) override;
+  grpc::Status ForwardStream(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<moe::v1::ForwardResponse, moe::v1::ForwardRequest>* stream) override;
+  grpc::Status GetModelInfo(grpc::ServerContext* context,
+                            const moe::v1::GetModelInfoRequest* request,
+                            moe::v1::ModelInfo* response) override;
+
+ private:
+  Gateway* gateway_;
+};
+
+class RankControlServiceImpl final : public moe::v1::internal::RankControl::Service {
+ public:
+  explicit RankControlServiceImpl(Gateway* gateway) : gateway_(gateway) {}
+
+  grpc::Status Register(grpc::ServerContext* context,
+                        const moe::v1::internal::RegisterRequest* request,
+                        moe::v1::internal::RegisterResponse* response) override;
+  grpc::Status Exchange(grpc::ServerContext* context, ExchangeServerStream* stream) override;
+
+ private:
+  Gateway* gateway_;
+};
+
+}  // namespace moe

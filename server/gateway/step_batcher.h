@@ -1,0 +1,85 @@
+// Batches concurrent requests for the same layer into one step.
+//
+// One scheduler thread per served layer: it waits for the first request, then up to
+// `max_wait` for more (or until `max_tokens_per_step` tokens are queued), runs the step and
+// hands every caller its own rows back. Requests are taken in arrival order and never split.
+// Cancelled or expired requests are answered without running.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "model/dispatch.h"
+#include "server/gateway/gateway_engine.h"
+
+namespace moe {
+
+struct BatcherOptions {
+  int64_t max_tokens_per_step = 4096;  // tokens in one step (a request is never split)
+  absl::Duration max_wait = absl::Microseconds(500);  // how long a step waits to fill up
+  absl::Duration step_timeout = absl::Seconds(60);    // bound on a step's exchange with the ranks
+  int64_t max_queued_tokens = 1 << 20;  // beyond this, new requests get RESOURCE_EXHAUSTED
+};
+
+// One caller's request and, when `done` fires, its result.
+struct ForwardCall {
+  int layer = 0;
+  int64_t tokens = 0;
+  std::vector<float> input;  // [tokens, H]
+  absl::Time deadline = absl::InfiniteFuture();
+  bool want_routing = false;
+  std::atomic<bool> cancelled{false};  // set by the service when the client goes away
+  // Invoked on the scheduler thread after the result fields are set (e.g. stream writes).
+  std::function<void(ForwardCall&)> on_done;
+
+  // Result.
+  absl::Status status;
+  std::vector<float> output;  // [tokens, H]
+  Routing routing;            // this call's rows only
+  absl::Duration queue_time, step_time;
+  int64_t step_tokens = 0;
+  absl::Notification done;
+
+  absl::Time enqueued;
+};
+
+class StepBatcher {
+ public:
+  StepBatcher(GatewayEngine* engine, const BatcherOptions& options);
+  ~StepBatcher();  // answers queued calls with UNAVAILABLE and joins the threads
+
+  // Queues a call (its layer must be served). Fails fast with RESOURCE_EXHAUSTED when the
+  // queue is over its limit; otherwise the call completes through `done`.
+  absl::Status Submit(std::shared_ptr<ForwardCall> call);
+  int64_t queued_tokens() const { return queued_tokens_.load(); }
+
+ private:
+  struct LayerQueue {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::shared_ptr<ForwardCall>> calls;
+    int64_t tokens = 0;
+    std::thread thread;
+  };
+  void Run(int layer, LayerQueue* queue);
+  void RunBatch(int layer, std::vector<std::shared_ptr<ForwardCall>>& batch);
+  static void Complete(ForwardCall& call, absl::Status status);
+
+  GatewayEngine* engine_;
+  BatcherOptions options_;
+  std::map<int, std::unique_ptr<LayerQueue>> queues_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> queued_tokens_{0};
+};
+
+}  // namespace moe

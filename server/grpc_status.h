@@ -1,0 +1,19 @@
+// absl::Status <-> grpc::Status, at the service boundary only.
+#pragma once
+
+#include "absl/status/status.h"
+#include "grpcpp/support/status.h"
+
+namespace moe {
+
+inline grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+inline absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+}  // namespace moe

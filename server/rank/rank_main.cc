@@ -1,0 +1,66 @@
+// moe-rank: hosts a shard of the routed experts of every served layer and answers the
+// gateway's steps. Registers with the gateway given by --gateway.
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "core/flags.h"
+#include "server/rank/rank_worker.h"
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop = true; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  moe::RankOptions options;
+  int64_t connect_timeout_s = 600;
+  bool exit_on_disconnect = false;
+  moe::Flags flags(
+      "usage: moe-rank --gateway HOST:PORT [--rank R] [options]\n\n"
+      "Registers with moe-gateway, loads its shard of the routed experts (memory-mapped from the\n"
+      "checkpoint, in their stored format) and serves steps until stopped.");
+  flags.String("gateway", &options.gateway, "gateway address HOST:PORT");
+  flags.Int("rank", &options.requested_rank, "rank id to claim (-1: the gateway assigns one)");
+  flags.String("checkpoint", &options.checkpoint,
+               "checkpoint directory, if mounted elsewhere than on the gateway");
+  flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
+  flags.Int("connect-timeout-s", &connect_timeout_s, "how long to wait for the gateway");
+  flags.Bool("exit-on-disconnect", &exit_on_disconnect,
+             "exit when the gateway goes away instead of re-registering");
+  flags.Require("gateway");
+  flags.ParseOrExit(argc, argv);
+  options.connect_timeout = absl::Seconds(connect_timeout_s);
+  options.reconnect = !exit_on_disconnect;
+
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  moe::RankWorker worker(options);
+  std::atomic<bool> finished{false};
+  absl::Status result;
+  std::thread runner([&] {
+    result = worker.Run();
+    finished = true;
+  });
+  while (!g_stop && !finished) absl::SleepFor(absl::Milliseconds(50));
+  if (!finished) {
+    worker.Stop();
+    // A registration still waiting for the gateway cannot be interrupted: do not wait on it.
+    for (int i = 0; i < 40 && !finished; ++i) absl::SleepFor(absl::Milliseconds(50));
+    if (!finished) {
+      std::fprintf(stderr, "moe-rank: stopped\n");
+      std::_Exit(0);
+    }
+  }
+  runner.join();
+  if (!result.ok()) {
+    std::fprintf(stderr, "moe-rank %d: %s\n", worker.rank(), result.ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "moe-rank %d: stopped\n", worker.rank());
+  return 0;
+}

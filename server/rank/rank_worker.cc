@@ -1,0 +1,179 @@
+#include "server/rank/rank_worker.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status.h"
+#include "server/grpc_status.h"
+
+namespace moe {
+namespace {
+
+std::string Hostname() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+std::string ShardKey(const std::string& checkpoint, const moe::v1::internal::RegisterResponse& r) {
+  std::string key = absl::StrCat(checkpoint, "|", r.precision());
+  for (const auto& shard : r.shards())
+    absl::StrAppend(&key, "|", shard.layer(), ":", absl::StrJoin(shard.experts(), ","));
+  return key;
+}
+
+}  // namespace
+
+RankWorker::RankWorker(const RankOptions& options)
+    : options_(options), backend_(options.cpu), workspace_(&backend_) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(
+      static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+  args.SetMaxSendMessageSize(
+      static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+  channel_ = grpc::CreateCustomChannel(options.gateway, grpc::InsecureChannelCredentials(), args);
+  stub_ = moe::v1::internal::RankControl::NewStub(channel_);
+}
+
+RankWorker::~RankWorker() { Stop(); }
+
+void RankWorker::Stop() {
+  stop_ = true;
+  std::lock_guard<std::mutex> lock(transport_mu_);
+  if (transport_ != nullptr) transport_->Cancel();
+}
+
+absl::Status RankWorker::LoadShards(const moe::v1::internal::RegisterResponse& registration) {
+  const std::string dir =
+      options_.checkpoint.empty() ? registration.checkpoint() : options_.checkpoint;
+  const std::string key = ShardKey(dir, registration);
+  if (key == loaded_shard_key_) return absl::OkStatus();  // same shard as before a reconnect
+  shards_.clear();
+  ASSIGN_OR_RETURN(checkpoint_, Checkpoint::Open(dir));
+  int64_t bytes = 0;
+  for (const auto& shard : registration.shards()) {
+    std::vector<int> experts(shard.experts().begin(), shard.experts().end());
+    ASSIGN_OR_RETURN(ExpertShardWeights weights,
+                     checkpoint_->LoadExperts(shard.layer(), experts, /*prefetch=*/true));
+    ASSIGN_OR_RETURN(auto expert_shard,
+                     ExpertShard::Create(checkpoint_->config(), weights, &backend_));
+    bytes += expert_shard->weight_bytes();
+    shards_[shard.layer()] = std::move(expert_shard);
+  }
+  weight_bytes_ = bytes;
+  loaded_shard_key_ = key;
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* registration) {
+  moe::v1::internal::RegisterRequest request;
+  request.set_requested_rank(options_.requested_rank >= 0 ? options_.requested_rank : rank_.load());
+  request.set_hostname(Hostname());
+  request.set_pid(getpid());
+  request.add_transports("grpc");
+  request.set_backend("cpu");
+  request.set_device("cpu");
+  grpc::ClientContext context;
+  context.set_wait_for_ready(true);  // the gateway may still be starting
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
+  RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Register(&context, request, registration)),
+                      absl::StrCat("registering with ", options_.gateway));
+  rank_ = registration->rank();
+  if (registration->transport() != "grpc")
+    return absl::UnimplementedError(absl::StrCat(
+        "the gateway uses transport '", registration->transport(), "', this rank supports grpc"));
+  const absl::Time t0 = absl::Now();
+  RETURN_IF_ERROR(LoadShards(*registration));
+  std::fprintf(
+      stderr, "moe-rank %d: %zu layers, %s experts each, %.2f GB of weights, ready in %.1f s\n",
+      rank_.load(), shards_.size(),
+      shards_.empty() ? "0" : absl::StrCat(shards_.begin()->second->expert_ids().size()).c_str(),
+      weight_bytes_.load() / 1e9, absl::ToDoubleSeconds(absl::Now() - t0));
+  std::fflush(stderr);
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse& registration) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  std::unique_ptr<ExchangeClientStream> stream = stub_->Exchange(context.get());
+  moe::v1::internal::RankToGateway hello;
+  hello.mutable_hello()->set_rank(registration.rank());
+  hello.mutable_hello()->set_session(registration.session());
+  hello.mutable_hello()->set_weight_bytes(weight_bytes_);
+  hello.mutable_hello()->set_backend(backend_.name());
+  if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
+  GrpcRankTransport transport(std::move(context), std::move(stream), &backend_);
+  {
+    std::lock_guard<std::mutex> lock(transport_mu_);
+    transport_ = &transport;
+  }
+  struct Detach {
+    RankWorker* self;
+    ~Detach() {
+      std::lock_guard<std::mutex> lock(self->transport_mu_);
+      self->transport_ = nullptr;
+    }
+  } detach{this};
+  if (stop_) return absl::CancelledError("stopping");
+
+  for (;;) {
+    auto step = transport.Receive();
+    if (!step.ok()) return step.status();
+    const absl::Time t0 = absl::Now();
+    auto shard = shards_.find(step->layer);
+    absl::StatusOr<ConstPartialView> result =
+        absl::NotFoundError(absl::StrCat("layer ", step->layer, " not loaded"));
+    std::set<int32_t> active(step->assignments.local_experts.begin(),
+                             step->assignments.local_experts.end());
+    if (shard != shards_.end()) {
+      auto partial = workspace_.Partial(0, step->rows.rows, step->rows.cols);
+      if (!partial.ok()) {
+        result = partial.status();
+      } else {
+        absl::Status s =
+            shard->second->Compute(step->rows, step->assignments, step->precision, *partial);
+        result = s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
+                        : absl::StatusOr<ConstPartialView>(s);
+      }
+    }
+    RankStepStats stats;
+    stats.compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
+    stats.active_experts = static_cast<int>(active.size());
+    counters_.steps++;
+    counters_.rows += step->rows.rows;
+    counters_.compute_us += stats.compute_us;
+    counters_.bytes_received +=
+        step->rows.rows * step->rows.cols * (step->precision == Precision::kBF16 ? 2 : 4);
+    counters_.bytes_sent += step->rows.rows * step->rows.cols * 8;
+    RETURN_IF_ERROR(transport.Reply(step->step_id, result, stats));
+  }
+}
+
+absl::Status RankWorker::Run() {
+  absl::Duration backoff = absl::Milliseconds(200);
+  for (;;) {
+    if (stop_) return absl::OkStatus();
+    moe::v1::internal::RegisterResponse registration;
+    absl::Status s = RegisterAndLoad(&registration);
+    if (s.ok()) {
+      backoff = absl::Milliseconds(200);
+      s = ServeSession(registration);
+    }
+    if (stop_) return absl::OkStatus();
+    // Configuration errors will not fix themselves; connection problems may.
+    const bool retryable = absl::IsUnavailable(s) || absl::IsCancelled(s) ||
+                           absl::IsDeadlineExceeded(s) || absl::IsFailedPrecondition(s);
+    if (!options_.reconnect || !retryable) return s;
+    std::fprintf(stderr, "moe-rank %d: %s; registering again\n", rank_.load(),
+                 s.ToString().c_str());
+    std::fflush(stderr);
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(5));
+  }
+}
+
+}  // namespace moe

@@ -1,0 +1,77 @@
+// An expert rank: registers with the gateway, loads its shard of the routed experts of every
+// served layer, then answers steps over the transport until stopped.
+//
+// If the gateway goes away the rank registers again (with backoff) and keeps the experts it
+// already holds when its shard is unchanged, so a restarted gateway finds its ranks quickly.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "model/checkpoint.h"
+#include "model/moe_layer.h"
+#include "moe/v1/internal.grpc.pb.h"
+#include "transport/grpc_transport.h"
+
+namespace moe {
+
+struct RankOptions {
+  std::string gateway;      // HOST:PORT of moe-gateway
+  int requested_rank = -1;  // -1: the gateway picks
+  std::string checkpoint;   // overrides the gateway's path (other mount point)
+  CpuBackendOptions cpu;    // expert compute threads
+  absl::Duration connect_timeout = absl::Minutes(10);  // how long to wait for the gateway
+  bool reconnect = true;                               // register again when the gateway goes away
+  int64_t max_message_bytes = int64_t{1} << 30;
+};
+
+// Per-step counters a rank exposes (metrics).
+struct RankCounters {
+  std::atomic<int64_t> steps{0};
+  std::atomic<int64_t> rows{0};
+  std::atomic<int64_t> compute_us{0};
+  std::atomic<int64_t> bytes_received{0};
+  std::atomic<int64_t> bytes_sent{0};
+};
+
+class RankWorker {
+ public:
+  explicit RankWorker(const RankOptions& options);
+  ~RankWorker();
+
+  // Runs until Stop() or an unrecoverable error.
+  absl::Status Run();
+  void Stop();
+
+  int rank() const { return rank_.load(); }
+  int64_t weight_bytes() const { return weight_bytes_.load(); }
+  const RankCounters& counters() const { return counters_; }
+
+ private:
+  absl::Status RegisterAndLoad(moe::v1::internal::RegisterResponse* registration);
+  absl::Status ServeSession(const moe::v1::internal::RegisterResponse& registration);
+  absl::Status LoadShards(const moe::v1::internal::RegisterResponse& registration);
+
+  RankOptions options_;
+  CpuBackend backend_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<moe::v1::internal::RankControl::Stub> stub_;
+  std::unique_ptr<Checkpoint> checkpoint_;
+  std::string loaded_shard_key_;  // checkpoint + shard layout of what is loaded
+  std::map<int, std::unique_ptr<ExpertShard>> shards_;
+  Workspace workspace_;
+  std::atomic<int> rank_{-1};
+  std::atomic<int64_t> weight_bytes_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex transport_mu_;
+  GrpcRankTransport* transport_ = nullptr;  // guarded by transport_mu_, for Stop()
+  RankCounters counters_;
+};
+
+}  // namespace moe

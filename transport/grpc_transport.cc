@@ -1,0 +1,309 @@
+#include "transport/grpc_transport.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/numerics.h"
+#include "core/status.h"
+
+namespace moe {
+
+using moe::v1::internal::GatewayToRank;
+using moe::v1::internal::RankToGateway;
+using moe::v1::internal::StepResult;
+
+void EncodeRows(ConstMatrixView rows, Precision p, std::string* out) {
+  const size_t elem = p == Precision::kBF16 ? 2 : 4;
+  out->resize(rows.rows * rows.cols * elem);
+  char* dst = out->data();
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    const float* src = rows.Row(r);
+    if (p == Precision::kBF16) {
+      for (int64_t c = 0; c < rows.cols; ++c) {
+        const uint16_t b = FloatToBf16Bits(src[c]);
+        std::memcpy(dst + 2 * (r * rows.cols + c), &b, 2);
+      }
+    } else {
+      std::memcpy(dst + 4 * r * rows.cols, src, rows.cols * 4);
+    }
+  }
+}
+
+absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t width, Precision p,
+                        MatrixView out) {
+  const size_t elem = p == Precision::kBF16 ? 2 : 4;
+  if (bytes.size() != static_cast<size_t>(num_rows * width) * elem)
+    return absl::InvalidArgumentError(
+        absl::StrCat("step rows: ", bytes.size(), " bytes for [", num_rows, ", ", width, "]"));
+  for (int64_t r = 0; r < num_rows; ++r) {
+    float* dst = out.Row(r);
+    if (p == Precision::kBF16) {
+      for (int64_t c = 0; c < width; ++c) {
+        uint16_t b;
+        std::memcpy(&b, bytes.data() + 2 * (r * width + c), 2);
+        dst[c] = Bf16BitsToFloat(b);
+      }
+    } else {
+      std::memcpy(dst, bytes.data() + 4 * r * width, width * 4);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- gateway side ---------------------------------------------------------------------------
+
+GrpcGatewayTransport::GrpcGatewayTransport(int num_ranks, Backend* backend) : backend_(backend) {
+  for (int r = 0; r < num_ranks; ++r) channels_.push_back(std::make_unique<Channel>());
+}
+
+void GrpcGatewayTransport::SetRankStateCallback(std::function<void(int, bool)> callback) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_rank_state_ = std::move(callback);
+}
+
+bool GrpcGatewayTransport::IsUp(int rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return rank >= 0 && rank < static_cast<int>(channels_.size()) &&
+         channels_[rank]->stream != nullptr;
+}
+
+int GrpcGatewayTransport::num_up() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int n = 0;
+  for (const auto& c : channels_) n += c->stream != nullptr;
+  return n;
+}
+
+absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* stream) {
+  if (rank < 0 || rank >= static_cast<int>(channels_.size()))
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside [0, ", channels_.size(), ")"));
+  Channel& channel = *channels_[rank];
+  std::function<void(int, bool)> notify;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (channel.stream != nullptr)
+      return absl::AlreadyExistsError(
+          absl::StrCat("rank ", rank, " already has an exchange stream"));
+    channel.stream = stream;
+    notify = on_rank_state_;
+  }
+  if (notify) notify(rank, true);
+
+  RankToGateway message;
+  while (stream->Read(&message)) {
+    if (!message.has_result()) continue;
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t step = message.result().step_id();
+    if (abandoned_.count(step)) continue;
+    results_[{step, rank}] = std::move(*message.mutable_result());
+    cv_.notify_all();
+  }
+  // The stream ended: wait out any Write in progress, then mark the rank down.
+  {
+    std::lock_guard<std::mutex> write_lock(channel.write_mu);
+    std::lock_guard<std::mutex> lock(mu_);
+    channel.stream = nullptr;
+    notify = on_rank_state_;
+    cv_.notify_all();
+  }
+  if (notify) notify(rank, false);
+  return absl::OkStatus();
+}
+
+absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
+  for (const RankPart& part : dispatch.parts) {
+    if (part.rank < 0 || part.rank >= static_cast<int>(channels_.size()))
+      return absl::InternalError(absl::StrCat("dispatch to unknown rank ", part.rank));
+    GatewayToRank message;
+    auto* step = message.mutable_step();
+    step->set_step_id(dispatch.step_id);
+    step->set_layer(dispatch.layer);
+    step->set_num_rows(static_cast<int32_t>(part.rows.rows));
+    step->set_width(static_cast<int32_t>(part.rows.cols));
+    step->set_bf16(dispatch.precision == Precision::kBF16);
+    ConstMatrixView host_rows = part.rows;
+    std::unique_lock<std::mutex> staging_lock(staging_mu_);
+    if (backend_->space() == MemorySpace::kDevice) {
+      const size_t bytes = part.rows.rows * part.rows.stride * sizeof(float);
+      staging_.resize(bytes);
+      RETURN_IF_ERROR(backend_->CopyToHost(staging_.data(), part.rows.data, bytes));
+      host_rows.data = reinterpret_cast<const float*>(staging_.data());
+    }
+    EncodeRows(host_rows, dispatch.precision, step->mutable_rows());
+    staging_lock.unlock();
+    const RowAssignments& a = *part.assignments;
+    step->mutable_row_offsets()->Add(a.offsets.begin(), a.offsets.end());
+    step->mutable_local_experts()->Add(a.local_experts.begin(), a.local_experts.end());
+    step->mutable_gates()->Add(a.gates.begin(), a.gates.end());
+
+    Channel& channel = *channels_[part.rank];
+    std::lock_guard<std::mutex> write_lock(channel.write_mu);
+    ExchangeServerStream* stream;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stream = channel.stream;
+    }
+    if (stream == nullptr)
+      return absl::UnavailableError(absl::StrCat("rank ", part.rank, " is down"));
+    if (!stream->Write(message))
+      return absl::UnavailableError(
+          absl::StrCat("rank ", part.rank, ": exchange stream broke while sending"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GrpcGatewayTransport::Collect(
+    const StepDispatch& dispatch, absl::Time deadline,
+    const std::function<absl::Status(size_t, ConstPartialView, const RankStepStats&)>& consume) {
+  std::vector<StepResult> results(dispatch.parts.size());
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (size_t i = 0; i < dispatch.parts.size(); ++i) {
+      const int rank = dispatch.parts[i].rank;
+      const auto key = std::make_pair(dispatch.step_id, rank);
+      for (;;) {
+        auto it = results_.find(key);
+        if (it != results_.end()) {
+          results[i] = std::move(it->second);
+          results_.erase(it);
+          break;
+        }
+        if (channels_[rank]->stream == nullptr)
+          return absl::UnavailableError(
+              absl::StrCat("rank ", rank, " went down during step ", dispatch.step_id));
+        const absl::Duration left = deadline - absl::Now();
+        if (left <= absl::ZeroDuration())
+          return absl::DeadlineExceededError(absl::StrCat(
+              "step ", dispatch.step_id, ": rank ", rank, " did not answer before the deadline"));
+        cv_.wait_for(lock, absl::ToChronoMilliseconds(std::min(left, absl::Milliseconds(100))) +
+                               std::chrono::milliseconds(1));
+      }
+    }
+  }
+  // Hand the partials over in rank order.
+  std::vector<double> host;
+  std::unique_ptr<DeviceBuffer> device;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const StepResult& r = results[i];
+    const int rank = dispatch.parts[i].rank;
+    if (r.code() != 0) {
+      // A rank's internal failure is the service's unavailability; its other errors pass through.
+      const auto code = static_cast<absl::StatusCode>(r.code());
+      return absl::Status(
+          code == absl::StatusCode::kInternal ? absl::StatusCode::kUnavailable : code,
+          absl::StrCat("rank ", rank, ": ", r.error()));
+    }
+    const int64_t rows = dispatch.parts[i].rows.rows, width = dispatch.parts[i].rows.cols;
+    const size_t bytes = rows * width * sizeof(double);
+    if (r.partial().size() != bytes)
+      return absl::InternalError(absl::StrCat("rank ", rank, " returned ", r.partial().size(),
+                                              " bytes, expected ", bytes));
+    host.resize(rows * width);
+    std::memcpy(host.data(), r.partial().data(), bytes);
+    ConstPartialView view(host.data(), rows, width, width);
+    if (backend_->space() == MemorySpace::kDevice) {
+      ASSIGN_OR_RETURN(device, backend_->Allocate(bytes));
+      RETURN_IF_ERROR(backend_->CopyToBackend(device->data(), host.data(), bytes));
+      view.data = static_cast<const double*>(device->data());
+    }
+    RankStepStats stats{r.compute_us(), r.active_experts()};
+    RETURN_IF_ERROR(consume(i, view, stats));
+  }
+  return absl::OkStatus();
+}
+
+void GrpcGatewayTransport::Abandon(uint64_t step_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  abandoned_.insert(step_id);
+  for (auto it = results_.begin(); it != results_.end();) {
+    if (it->first.first == step_id) {
+      it = results_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Step ids grow; keep the set small.
+  while (abandoned_.size() > 4096) abandoned_.erase(abandoned_.begin());
+}
+
+// ---- rank side ------------------------------------------------------------------------------
+
+GrpcRankTransport::GrpcRankTransport(std::unique_ptr<grpc::ClientContext> context,
+                                     std::unique_ptr<ExchangeClientStream> stream, Backend* backend)
+    : context_(std::move(context)), stream_(std::move(stream)), backend_(backend) {}
+
+GrpcRankTransport::~GrpcRankTransport() { Cancel(); }
+
+void GrpcRankTransport::Cancel() {
+  if (context_) context_->TryCancel();
+}
+
+absl::StatusOr<ReceivedStep> GrpcRankTransport::Receive() {
+  GatewayToRank message;
+  if (!stream_->Read(&message)) {
+    const grpc::Status s = stream_->Finish();
+    if (s.ok() || s.error_code() == grpc::StatusCode::CANCELLED)
+      return absl::CancelledError("the gateway closed the exchange");
+    return absl::UnavailableError(absl::StrCat("exchange stream broke: ", s.error_message()));
+  }
+  if (!message.has_step()) return absl::InternalError("unexpected message on the exchange stream");
+  const auto& step = message.step();
+  ReceivedStep out;
+  out.step_id = step.step_id();
+  out.layer = step.layer();
+  out.precision = step.bf16() ? Precision::kBF16 : Precision::kFP32;
+  const int64_t rows = step.num_rows(), width = step.width();
+  if (rows < 0 || width <= 0) return absl::InvalidArgumentError("bad step shape");
+  host_rows_.resize(rows * width);
+  MatrixView host(host_rows_.data(), rows, width, width);
+  RETURN_IF_ERROR(DecodeRows(step.rows(), rows, width, out.precision, host));
+  out.rows = host;
+  if (backend_->space() == MemorySpace::kDevice) {
+    const size_t bytes = rows * width * sizeof(float);
+    if (rows_ == nullptr || rows_->size() < bytes) {
+      ASSIGN_OR_RETURN(rows_, backend_->Allocate(bytes));
+    }
+    RETURN_IF_ERROR(backend_->CopyToBackend(rows_->data(), host_rows_.data(), bytes));
+    out.rows = ConstMatrixView(static_cast<const float*>(rows_->data()), rows, width, width);
+  }
+  out.assignments.offsets.assign(step.row_offsets().begin(), step.row_offsets().end());
+  out.assignments.local_experts.assign(step.local_experts().begin(), step.local_experts().end());
+  out.assignments.gates.assign(step.gates().begin(), step.gates().end());
+  return out;
+}
+
+absl::Status GrpcRankTransport::Reply(uint64_t step_id,
+                                      const absl::StatusOr<ConstPartialView>& partial,
+                                      const RankStepStats& stats) {
+  RankToGateway message;
+  auto* result = message.mutable_result();
+  result->set_step_id(step_id);
+  result->set_compute_us(stats.compute_us);
+  result->set_active_experts(stats.active_experts);
+  if (!partial.ok()) {
+    result->set_code(static_cast<int>(partial.status().code()));
+    result->set_error(std::string(partial.status().message()));
+  } else {
+    const ConstPartialView& p = *partial;
+    const size_t bytes = p.rows * p.cols * sizeof(double);
+    std::string* out = result->mutable_partial();
+    out->resize(bytes);
+    if (backend_->space() == MemorySpace::kDevice) {
+      host_partial_.resize(p.rows * p.stride);
+      RETURN_IF_ERROR(
+          backend_->CopyToHost(host_partial_.data(), p.data, p.rows * p.stride * sizeof(double)));
+      for (int64_t r = 0; r < p.rows; ++r)
+        std::memcpy(out->data() + r * p.cols * sizeof(double), host_partial_.data() + r * p.stride,
+                    p.cols * sizeof(double));
+    } else {
+      for (int64_t r = 0; r < p.rows; ++r)
+        std::memcpy(out->data() + r * p.cols * sizeof(double), p.Row(r), p.cols * sizeof(double));
+    }
+  }
+  if (!stream_->Write(message))
+    return absl::UnavailableError("exchange stream broke while replying");
+  return absl::OkStatus();
+}
+
+}  // namespace moe

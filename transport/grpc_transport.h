@@ -1,0 +1,95 @@
+// The gRPC transport: the step exchange over one persistent bidirectional stream per rank
+// (moe.v1.internal.RankControl/Exchange), opened by the rank so that only the gateway needs
+// to be reachable. Usable across hosts; the default on hosts without GPUs.
+//
+// Wire format per step (DESIGN.md "Dispatch rule"):
+//   gateway -> rank r  StepRequest: rows [num_rows, width] as bf16 (bf16 mode, exact: the
+//                      rows are bf16 values) or fp32, plus per row its local experts and gates.
+//   rank r -> gateway  StepResult: fp64 partial sums [num_rows, width], or an error code.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+#include "kernels/backend.h"
+#include "moe/v1/internal.grpc.pb.h"
+#include "transport/transport.h"
+
+namespace moe {
+
+using ExchangeServerStream =
+    grpc::ServerReaderWriter<moe::v1::internal::GatewayToRank, moe::v1::internal::RankToGateway>;
+using ExchangeClientStream =
+    grpc::ClientReaderWriter<moe::v1::internal::RankToGateway, moe::v1::internal::GatewayToRank>;
+
+// Encodes rows for the wire (bf16 or fp32 little-endian) and back.
+void EncodeRows(ConstMatrixView rows, Precision p, std::string* out);
+absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t width, Precision p,
+                        MatrixView out);
+
+class GrpcGatewayTransport final : public GatewayTransport {
+ public:
+  // `backend` is the gateway's: rows are read from, partials written to, its memory.
+  GrpcGatewayTransport(int num_ranks, Backend* backend);
+
+  std::string name() const override { return "grpc"; }
+  absl::Status Send(const StepDispatch& dispatch) override;
+  absl::Status Collect(const StepDispatch& dispatch, absl::Time deadline,
+                       const std::function<absl::Status(size_t, ConstPartialView,
+                                                        const RankStepStats&)>& consume) override;
+  void Abandon(uint64_t step_id) override;
+
+  // Runs rank `rank`'s side of the exchange on `stream` (the Exchange handler's thread) until
+  // the stream ends. The rank counts as up meanwhile.
+  absl::Status ServeRank(int rank, ExchangeServerStream* stream);
+  bool IsUp(int rank) const;
+  int num_up() const;
+  // Called (outside locks) whenever a rank goes up or down.
+  void SetRankStateCallback(std::function<void(int rank, bool up)> callback);
+
+ private:
+  struct Channel {
+    std::mutex write_mu;                     // one Write at a time per stream
+    ExchangeServerStream* stream = nullptr;  // guarded by mu_
+  };
+  Backend* backend_;
+  std::vector<std::unique_ptr<Channel>> channels_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<uint64_t, int>, moe::v1::internal::StepResult> results_;  // (step, rank)
+  std::set<uint64_t> abandoned_;
+  std::function<void(int, bool)> on_rank_state_;
+  std::vector<uint8_t> staging_;  // device -> host copies of rows (GPU gateway)
+  std::mutex staging_mu_;
+};
+
+class GrpcRankTransport final : public RankTransport {
+ public:
+  // `stream` is an open Exchange stream on which the rank already sent its hello.
+  GrpcRankTransport(std::unique_ptr<grpc::ClientContext> context,
+                    std::unique_ptr<ExchangeClientStream> stream, Backend* backend);
+  ~GrpcRankTransport() override;
+
+  std::string name() const override { return "grpc"; }
+  absl::StatusOr<ReceivedStep> Receive() override;
+  absl::Status Reply(uint64_t step_id, const absl::StatusOr<ConstPartialView>& partial,
+                     const RankStepStats& stats) override;
+  // Unblocks Receive (shutdown).
+  void Cancel();
+
+ private:
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<ExchangeClientStream> stream_;
+  Backend* backend_;
+  std::unique_ptr<DeviceBuffer> rows_;
+  std::vector<float> host_rows_;
+  std::vector<double> host_partial_;
+};
+
+}  // namespace moe
