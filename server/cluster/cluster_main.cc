@@ -1,0 +1,485 @@
+// moe-cluster: starts moe-gateway and N moe-rank processes on this host, forwards their output
+// (prefixed "[gateway] ", "[rank i] ") to stderr, prints one line to stdout once the gateway's
+// health check says SERVING, and stops everything on SIGINT/SIGTERM or when any child dies.
+//
+// Exit codes: 0 after a requested stop, 1 when a child exited on its own, the cluster was not
+// ready in time, or a program could not be started; 2 for usage errors.
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/flags.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "server/cluster/process_group.h"
+
+namespace moe {
+namespace {
+
+constexpr char kUsage[] =
+    "moe-cluster --checkpoint DIR --ranks N [flags] [-- extra moe-gateway flags...]\n"
+    "\n"
+    "Starts moe-gateway and N moe-rank processes on this host (development and demos), forwards\n"
+    "their output to stderr prefixed [gateway] / [rank i], prints\n"
+    "  moe-cluster: ready on HOST:PORT (N ranks)\n"
+    "to stdout once the gateway reports SERVING, and stops them all on SIGINT/SIGTERM.\n"
+    "Metrics ports, when --metrics-port M is given: gateway M, rank i M+1+i.";
+
+struct ClusterOptions {
+  std::string checkpoint;
+  int ranks = 0;
+  int port = 50051;
+  int metrics_port = 0;  // 0: no metrics flags
+  std::string host = "127.0.0.1";
+  int threads_per_rank = 0;  // 0: the rank's default
+  std::string bin_dir;
+  double ready_timeout_s = 600;
+  double stop_timeout_s = 10;
+  std::vector<std::string> gateway_extra;  // after `--`
+};
+
+void Log(absl::string_view message) { WriteStderrLine(absl::StrCat("moe-cluster: ", message)); }
+
+// "host:port", bracketing IPv6 literals.
+std::string HostPort(absl::string_view host, int port) {
+  if (host.find(':') != absl::string_view::npos && !host.empty() && host.front() != '[') {
+    return absl::StrCat("[", host, "]:", port);
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+// The address the ranks and the health probe connect to: a wildcard listen address is reached
+// through the loopback.
+std::string ConnectHost(const std::string& host) {
+  if (host == "0.0.0.0" || host.empty()) return "127.0.0.1";
+  if (host == "::" || host == "[::]") return "::1";
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    return host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
+std::string ExecutableDir() {
+  char path[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
+  if (n <= 0) return ".";
+  std::string exe(path, static_cast<size_t>(n));
+  const size_t slash = exe.rfind('/');
+  return slash == std::string::npos ? "." : exe.substr(0, slash);
+}
+
+// True when something accepts TCP connections on host:port (waits at most 200 ms).
+bool PortAcceptsConnections(const std::string& host, int port) {
+  addrinfo hints;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* addresses = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &addresses) != 0) {
+    return false;
+  }
+  bool connected = false;
+  for (addrinfo* a = addresses; a != nullptr && !connected; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      connected = true;
+    } else if (errno == EINPROGRESS) {
+      pollfd p = {fd, POLLOUT, 0};
+      int err = 0;
+      socklen_t len = sizeof err;
+      connected = poll(&p, 1, 200) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 &&
+                  err == 0;
+    }
+    close(fd);
+  }
+  freeaddrinfo(addresses);
+  return connected;
+}
+
+// Polls grpc.health.v1.Health/Check (service "") on its own thread until SERVING, then
+// signals `ready_fd` (an eventfd).
+class HealthProbe {
+ public:
+  HealthProbe(std::string target, int ready_fd)
+      : target_(std::move(target)), ready_fd_(ready_fd), thread_([this] { Loop(); }) {}
+  ~HealthProbe() {
+    stop_.Notify();
+    {
+      absl::MutexLock lock(&mu_);
+      if (call_ != nullptr) call_->TryCancel();
+    }
+    thread_.join();
+  }
+
+  // What the last check returned ("NOT_SERVING", "UNAVAILABLE: ...").
+  std::string last_result() const {
+    absl::MutexLock lock(&mu_);
+    return last_result_;
+  }
+
+ private:
+  void Loop() {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);  // http_proxy must not catch a local address
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    auto stub = grpc::health::v1::Health::NewStub(
+        grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), args));
+    while (!stop_.HasBeenNotified()) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      {
+        absl::MutexLock lock(&mu_);
+        call_ = &context;
+      }
+      grpc::health::v1::HealthCheckRequest request;  // service "": the whole server
+      grpc::health::v1::HealthCheckResponse response;
+      const grpc::Status status = stub->Check(&context, request, &response);
+      {
+        absl::MutexLock lock(&mu_);
+        call_ = nullptr;
+        last_result_ =
+            status.ok()
+                ? grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status())
+                : absl::StrCat("gRPC code ", status.error_code(), ": ", status.error_message());
+      }
+      if (status.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+        const uint64_t one = 1;
+        ssize_t ignored = write(ready_fd_, &one, sizeof one);
+        (void)ignored;
+        return;
+      }
+      stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200));
+    }
+  }
+
+  const std::string target_;
+  const int ready_fd_;
+  absl::Notification stop_;
+  mutable absl::Mutex mu_;
+  grpc::ClientContext* call_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::string last_result_ ABSL_GUARDED_BY(mu_) = "no answer yet";
+  std::thread thread_;  // last: starts after the members it uses
+};
+
+class Cluster {
+ public:
+  // `signal_fd` delivers SIGINT/SIGTERM (blocked in every thread).
+  Cluster(ClusterOptions options, int signal_fd)
+      : options_(std::move(options)),
+        signal_fd_(signal_fd),
+        exit_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
+        ready_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
+        group_(GroupOptions(exit_fd_)) {}
+  ~Cluster() {
+    probe_.reset();
+    close(exit_fd_);
+    close(ready_fd_);
+  }
+
+  int Run();
+
+ private:
+  enum class Event { kDeadline, kStopSignal, kChildExit, kReady };
+
+  static ProcessGroup::Options GroupOptions(int exit_fd) {
+    ProcessGroup::Options options;
+    options.on_exit = [exit_fd](const ChildExit&) {
+      const uint64_t one = 1;
+      ssize_t ignored = write(exit_fd, &one, sizeof one);
+      (void)ignored;
+    };
+    return options;
+  }
+
+  // Waits for the next event, or `deadline`.
+  Event Wait(absl::Time deadline);
+  // Logs the exits not yet logged; returns true if any happened before a stop was requested.
+  bool ReportExits();
+  bool StartChild(const std::string& name, const std::vector<std::string>& argv);
+  // SIGTERM to all, up to --stop-timeout-s (a second signal cuts it short), SIGKILL to the
+  // rest, reap all. Returns `exit_code`.
+  int StopAll(int exit_code);
+
+  const ClusterOptions options_;
+  const int signal_fd_;
+  const int exit_fd_;
+  const int ready_fd_;
+  ProcessGroup group_;
+  std::unique_ptr<HealthProbe> probe_;
+  size_t exits_seen_ = 0;
+  bool stopping_ = false;
+};
+
+Cluster::Event Cluster::Wait(absl::Time deadline) {
+  for (;;) {
+    pollfd fds[3] = {{signal_fd_, POLLIN, 0}, {exit_fd_, POLLIN, 0}, {ready_fd_, POLLIN, 0}};
+    const absl::Duration left = deadline - absl::Now();
+    int timeout_ms = -1;
+    if (deadline != absl::InfiniteFuture()) {
+      timeout_ms = static_cast<int>(std::min<int64_t>(
+          INT_MAX, std::max<int64_t>(
+                       0, absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))))));
+    }
+    const int n = poll(fds, 3, timeout_ms);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (absl::Now() >= deadline) return Event::kDeadline;
+      continue;
+    }
+    if (fds[0].revents != 0) {
+      signalfd_siginfo info;
+      if (read(signal_fd_, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+        const char* abbrev = sigabbrev_np(static_cast<int>(info.ssi_signo));
+        Log(absl::StrCat("received SIG", abbrev != nullptr ? abbrev : "?",
+                         stopping_ ? "" : ", stopping"));
+        return Event::kStopSignal;
+      }
+    }
+    uint64_t count;
+    if (fds[1].revents != 0 && read(exit_fd_, &count, sizeof count) > 0) return Event::kChildExit;
+    if (fds[2].revents != 0 && read(ready_fd_, &count, sizeof count) > 0) return Event::kReady;
+  }
+}
+
+bool Cluster::ReportExits() {
+  const std::vector<ChildExit> exits = group_.exits();
+  bool unexpected = false;
+  for (; exits_seen_ < exits.size(); ++exits_seen_) {
+    const ChildExit& exit = exits[exits_seen_];
+    if (stopping_) {
+      Log(absl::StrCat(exit.name, " (pid ", exit.pid, ") ", exit.Describe()));
+    } else {
+      Log(absl::StrCat(exit.name, " (pid ", exit.pid, ") ", exit.Describe(),
+                       " unexpectedly; stopping the cluster"));
+      unexpected = true;
+    }
+  }
+  return unexpected;
+}
+
+bool Cluster::StartChild(const std::string& name, const std::vector<std::string>& argv) {
+  Log(absl::StrCat("starting ", name, ": ", absl::StrJoin(argv, " ")));
+  absl::StatusOr<pid_t> pid = group_.Start(name, argv);
+  if (!pid.ok()) {
+    Log(std::string(pid.status().message()));
+    return false;
+  }
+  return true;
+}
+
+int Cluster::StopAll(int exit_code) {
+  stopping_ = true;
+  probe_.reset();
+  group_.SignalAll(SIGTERM);
+  const absl::Time deadline = absl::Now() + absl::Seconds(options_.stop_timeout_s);
+  while (group_.running() > 0) {
+    const Event event = Wait(deadline);
+    ReportExits();
+    if (event == Event::kDeadline) break;
+    if (event == Event::kStopSignal) {
+      Log("second signal: killing the rest now");
+      break;
+    }
+  }
+  const std::vector<std::string> stragglers = group_.running_names();
+  if (!stragglers.empty()) {
+    Log(absl::StrCat("sending SIGKILL to ", absl::StrJoin(stragglers, ", ")));
+    group_.SignalAll(SIGKILL);
+    group_.WaitAll();
+    ReportExits();
+  }
+  return exit_code;
+}
+
+int Cluster::Run() {
+  if (exit_fd_ < 0 || ready_fd_ < 0) {
+    Log(absl::StrCat("eventfd: ", strerror(errno)));
+    return 1;
+  }
+  const std::string connect_address = HostPort(ConnectHost(options_.host), options_.port);
+  const absl::Time ready_deadline = absl::Now() + absl::Seconds(options_.ready_timeout_s);
+  auto not_ready = [&](absl::string_view what) {
+    Log(absl::StrCat("not ready after ", options_.ready_timeout_s, " s (--ready-timeout-s): ", what,
+                     "; stopping"));
+    return StopAll(1);
+  };
+
+  // Gateway first; the ranks once it accepts connections.
+  std::vector<std::string> gateway = {
+      options_.bin_dir + "/moe-gateway", "--checkpoint", options_.checkpoint,           "--port",
+      std::to_string(options_.port),     "--ranks",      std::to_string(options_.ranks)};
+  if (options_.metrics_port > 0) {
+    gateway.insert(gateway.end(), {"--metrics-port", std::to_string(options_.metrics_port)});
+  }
+  gateway.insert(gateway.end(), {"--host", options_.host});
+  gateway.insert(gateway.end(), options_.gateway_extra.begin(), options_.gateway_extra.end());
+  if (!StartChild("gateway", gateway)) return StopAll(1);
+
+  while (!PortAcceptsConnections(ConnectHost(options_.host), options_.port)) {
+    if (absl::Now() >= ready_deadline) {
+      return not_ready(
+          absl::StrCat("the gateway does not accept connections on ", connect_address));
+    }
+    switch (Wait(std::min(ready_deadline, absl::Now() + absl::Milliseconds(100)))) {
+      case Event::kStopSignal:
+        return StopAll(0);
+      case Event::kChildExit:
+        if (ReportExits()) return StopAll(1);
+        break;
+      default:
+        break;
+    }
+  }
+
+  for (int i = 0; i < options_.ranks; ++i) {
+    std::vector<std::string> rank = {options_.bin_dir + "/moe-rank", "--gateway", connect_address,
+                                     "--rank", std::to_string(i)};
+    if (options_.threads_per_rank > 0) {
+      rank.insert(rank.end(), {"--threads", std::to_string(options_.threads_per_rank)});
+    }
+    if (options_.metrics_port > 0) {
+      rank.insert(rank.end(), {"--metrics-port", std::to_string(options_.metrics_port + 1 + i)});
+    }
+    if (!StartChild(absl::StrCat("rank ", i), rank)) return StopAll(1);
+  }
+
+  // NOTES: the probe starts after the last fork, so no gRPC thread exists while forking.
+  probe_ = std::make_unique<HealthProbe>(connect_address, ready_fd_);
+  bool ready = false;
+  for (;;) {
+    switch (Wait(ready ? absl::InfiniteFuture() : ready_deadline)) {
+      case Event::kReady:
+        ready = true;
+        probe_.reset();
+        std::printf("moe-cluster: ready on %s (%d ranks)\n",
+                    HostPort(options_.host, options_.port).c_str(), options_.ranks);
+        std::fflush(stdout);
+        break;
+      case Event::kStopSignal:
+        return StopAll(0);
+      case Event::kChildExit:
+        if (ReportExits()) return StopAll(1);
+        break;
+      case Event::kDeadline:
+        return not_ready(absl::StrCat("gateway health check: ", probe_->last_result()));
+    }
+  }
+}
+
+int Main(int argc, char** argv) {
+  // Everything after `--` goes to the gateway untouched.
+  int flag_end = argc;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--") {
+      flag_end = i;
+      break;
+    }
+  }
+  ClusterOptions options;
+  Flags flags(kUsage);
+  flags.String("checkpoint", &options.checkpoint, "checkpoint directory, passed to moe-gateway");
+  flags.Int("ranks", &options.ranks, "number of moe-rank processes");
+  flags.Int("port", &options.port, "gateway gRPC port");
+  flags.Int("metrics-port", &options.metrics_port,
+            "Prometheus port of the gateway; rank i gets M+1+i (0: no metrics flags)");
+  flags.String("host", &options.host, "gateway listen address");
+  flags.Int("threads-per-rank", &options.threads_per_rank,
+            "--threads for each rank (0: the rank's default)");
+  flags.String("bin-dir", &options.bin_dir,
+               "directory of moe-gateway and moe-rank (default: moe-cluster's own)");
+  flags.Double("ready-timeout-s", &options.ready_timeout_s,
+               "give up (exit 1) when the gateway is not SERVING after this long");
+  flags.Double("stop-timeout-s", &options.stop_timeout_s,
+               "on stop, SIGKILL what has not exited this long after SIGTERM");
+  flags.Require("checkpoint");
+  flags.Require("ranks");
+  flags.ParseOrExit(flag_end, argv);
+  options.gateway_extra.assign(argv + std::min(flag_end + 1, argc), argv + argc);
+
+  auto usage_error = [](absl::string_view message) {
+    std::fprintf(stderr, "moe-cluster: %s (see --help)\n", std::string(message).c_str());
+    return 2;
+  };
+  if (!flags.positional().empty()) {
+    return usage_error(absl::StrCat("unexpected argument '", flags.positional()[0],
+                                    "' (gateway flags go after --)"));
+  }
+  if (options.ranks < 1) return usage_error("--ranks must be at least 1");
+  if (options.port < 1 || options.port > 65535) return usage_error("--port must be in 1..65535");
+  if (options.metrics_port != 0) {
+    const int last = options.metrics_port + options.ranks;
+    if (options.metrics_port < 1 || last > 65535) {
+      return usage_error(absl::StrCat("--metrics-port: ports ", options.metrics_port, "..", last,
+                                      " must lie in 1..65535"));
+    }
+    if (options.port >= options.metrics_port && options.port <= last) {
+      return usage_error(absl::StrCat("--metrics-port: ports ", options.metrics_port, "..", last,
+                                      " include --port ", options.port));
+    }
+  }
+  if (options.threads_per_rank < 0) return usage_error("--threads-per-rank must be >= 0");
+  if (!(options.ready_timeout_s > 0)) return usage_error("--ready-timeout-s must be > 0");
+  if (!(options.stop_timeout_s >= 0)) return usage_error("--stop-timeout-s must be >= 0");
+
+  if (options.bin_dir.empty()) options.bin_dir = ExecutableDir();
+  for (const char* program : {"moe-gateway", "moe-rank"}) {
+    const std::string path = absl::StrCat(options.bin_dir, "/", program);
+    if (access(path.c_str(), X_OK) != 0) {
+      Log(absl::StrCat("no executable ", path, " (build it, or pass --bin-dir)"));
+      return 1;
+    }
+  }
+
+  // Signals arrive through a signalfd: blocked here, before any thread exists, so every thread
+  // inherits the mask. The children get a clean mask (ProcessGroup).
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);  // a closed stdout/stderr must not kill the supervisor
+  const int signal_fd = signalfd(-1, &stop_signals, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (signal_fd < 0) {
+    Log(absl::StrCat("signalfd: ", strerror(errno)));
+    return 1;
+  }
+  int code;
+  {
+    Cluster cluster(std::move(options), signal_fd);
+    code = cluster.Run();
+  }
+  close(signal_fd);
+  return code;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) { return moe::Main(argc, argv); }

@@ -1,0 +1,303 @@
+// moe-cluster end to end, with stand-ins: `moe-gateway` is a script that records its argv and
+// execs cluster_fake_gateway (a real grpc.health.v1 server), `moe-rank` is a script that
+// records its argv and pid and sleeps.
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "server/cluster/process_group.h"
+
+namespace moe {
+namespace {
+
+const std::string kBinDir = MOE_BINARY_DIR "/bin";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::vector<std::string> ReadLines(const std::string& path) {
+  return absl::StrSplit(ReadFile(path), '\n', absl::SkipEmpty());
+}
+
+void WriteExecutable(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text;
+  chmod(path.c_str(), 0755);
+}
+
+bool WaitForFile(const std::string& path, absl::Duration timeout = absl::Seconds(20)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (access(path.c_str(), F_OK) != 0) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return true;
+}
+
+pid_t ReadPid(const std::string& path) {
+  int pid = -1;
+  if (!WaitForFile(path) || !absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadFile(path)), &pid))
+    return -1;
+  return pid;
+}
+
+// True once `pid` is gone (exited and reaped).
+bool Gone(pid_t pid) { return pid > 0 && kill(pid, 0) == -1 && errno == ESRCH; }
+
+// A TCP port nobody listens on right now.
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// One moe-cluster run: stdout lines are collected, stderr goes to a file.
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/cluster_test_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    WriteExecutable(dir_ + "/moe-gateway",
+                    absl::StrCat("#!/bin/sh\n"
+                                 "dir=$(dirname \"$0\")\n"
+                                 "printf '%s\\n' \"$@\" > \"$dir/gateway.argv\"\n"
+                                 "echo $$ > \"$dir/gateway.pid\"\n"
+                                 "exec ",
+                                 kBinDir, "/cluster_fake_gateway \"$@\"\n"));
+    WriteExecutable(dir_ + "/moe-rank",
+                    "#!/bin/sh\n"
+                    "dir=$(dirname \"$0\")\n"
+                    "rank=unknown; prev=\n"
+                    "for a in \"$@\"; do [ \"$prev\" = --rank ] && rank=$a; prev=$a; done\n"
+                    "printf '%s\\n' \"$@\" > \"$dir/rank-$rank.argv\"\n"
+                    "echo $$ > \"$dir/rank-$rank.pid.tmp\" && "
+                    "mv \"$dir/rank-$rank.pid.tmp\" \"$dir/rank-$rank.pid\"\n"
+                    "echo \"fake rank $rank up\"\n"
+                    "exec sleep 600\n");
+    port_ = FreePort();
+    ProcessGroup::Options options;
+    options.on_line = [this](const std::string&, absl::string_view line) {
+      absl::MutexLock lock(&mu_);
+      stdout_.emplace_back(line);
+    };
+    group_ = std::make_unique<ProcessGroup>(options);
+  }
+
+  void TearDown() override {
+    group_.reset();
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+  void StartCluster(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"/bin/sh", "-c",
+                                     absl::StrCat("exec \"$0\" \"$@\" 2>", dir_, "/stderr"),
+                                     kBinDir + "/moe-cluster"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<pid_t> pid = group_->Start("moe-cluster", argv);
+    ASSERT_TRUE(pid.ok()) << pid.status();
+    pid_ = *pid;
+  }
+
+  // The standard flags plus `more`.
+  std::vector<std::string> Args(int ranks, std::vector<std::string> more = {}) {
+    std::vector<std::string> args = {
+        "--checkpoint", "/ckpt/k3-mini",       "--ranks",   std::to_string(ranks),
+        "--port",       std::to_string(port_), "--bin-dir", dir_};
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  }
+
+  std::string ReadyLine(int ranks) const {
+    return absl::StrCat("moe-cluster: ready on 127.0.0.1:", port_, " (", ranks, " ranks)");
+  }
+
+  bool WaitForStdout(const std::string& line, absl::Duration timeout = absl::Seconds(30)) {
+    absl::MutexLock lock(&mu_);
+    auto seen = [&] {
+      mu_.AssertHeld();
+      for (const auto& l : stdout_)
+        if (l == line) return true;
+      return false;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&seen), timeout);
+  }
+
+  std::vector<std::string> Stdout() {
+    absl::MutexLock lock(&mu_);
+    return stdout_;
+  }
+
+  // moe-cluster's exit, within `timeout`.
+  ChildExit WaitExit(absl::Duration timeout = absl::Seconds(30)) {
+    absl::optional<ChildExit> exit = group_->WaitForExit(pid_, absl::Now() + timeout);
+    EXPECT_TRUE(exit.has_value()) << "moe-cluster still running; stderr:\n" << Stderr();
+    return exit.value_or(ChildExit());
+  }
+
+  std::string Stderr() const { return ReadFile(dir_ + "/stderr"); }
+
+  std::string dir_;
+  int port_ = 0;
+  pid_t pid_ = -1;
+  std::unique_ptr<ProcessGroup> group_;
+  absl::Mutex mu_;
+  std::vector<std::string> stdout_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(ClusterTest, StartsGatewayAndRanksReportsReadyAndStopsOnSigterm) {
+  const int metrics = port_ > 30000 ? port_ - 1000 : port_ + 1000;
+  StartCluster(Args(2, {"--metrics-port", std::to_string(metrics), "--threads-per-rank", "3", "--",
+                        "--serve-after-ms", "300"}));
+  ASSERT_TRUE(WaitForStdout(ReadyLine(2))) << Stderr();
+
+  EXPECT_EQ(
+      ReadLines(dir_ + "/gateway.argv"),
+      (std::vector<std::string>{"--checkpoint", "/ckpt/k3-mini", "--port", std::to_string(port_),
+                                "--ranks", "2", "--metrics-port", std::to_string(metrics), "--host",
+                                "127.0.0.1", "--serve-after-ms", "300"}));
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(WaitForFile(absl::StrCat(dir_, "/rank-", i, ".pid")));
+    EXPECT_EQ(ReadLines(absl::StrCat(dir_, "/rank-", i, ".argv")),
+              (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_), "--rank",
+                                        std::to_string(i), "--threads", "3", "--metrics-port",
+                                        std::to_string(metrics + 1 + i)}));
+  }
+  const pid_t gateway = ReadPid(dir_ + "/gateway.pid");
+  const pid_t rank0 = ReadPid(dir_ + "/rank-0.pid");
+  const pid_t rank1 = ReadPid(dir_ + "/rank-1.pid");
+  ASSERT_FALSE(Gone(gateway) || Gone(rank0) || Gone(rank1));
+
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.success()) << exit.Describe() << "\n" << Stderr();
+  EXPECT_TRUE(Gone(gateway) && Gone(rank0) && Gone(rank1));
+  EXPECT_EQ(Stdout(), std::vector<std::string>{ReadyLine(2)});
+
+  // Child output reached stderr whole and prefixed.
+  const std::string err = Stderr();
+  EXPECT_NE(err.find("\n[gateway] fake gateway argv: --checkpoint /ckpt/k3-mini"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("\n[gateway] fake gateway: SERVING\n"), std::string::npos) << err;
+  EXPECT_NE(err.find("\n[rank 0] fake rank 0 up\n"), std::string::npos) << err;
+  EXPECT_NE(err.find("\n[rank 1] fake rank 1 up\n"), std::string::npos) << err;
+}
+
+TEST_F(ClusterTest, NoMetricsFlagsWithoutMetricsPort) {
+  StartCluster(Args(1, {"--", "--serve-after-ms", "0"}));
+  ASSERT_TRUE(WaitForStdout(ReadyLine(1))) << Stderr();
+  ASSERT_TRUE(WaitForFile(dir_ + "/rank-0.pid"));
+  EXPECT_EQ(
+      ReadLines(dir_ + "/rank-0.argv"),
+      (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_), "--rank", "0"}));
+  EXPECT_EQ(ReadFile(dir_ + "/gateway.argv").find("metrics"), std::string::npos);
+  ASSERT_EQ(kill(pid_, SIGINT), 0);
+  EXPECT_TRUE(WaitExit().success()) << Stderr();
+}
+
+TEST_F(ClusterTest, RankDeathStopsTheClusterWithFailure) {
+  StartCluster(Args(2, {"--", "--serve-after-ms", "100"}));
+  ASSERT_TRUE(WaitForStdout(ReadyLine(2))) << Stderr();
+  const pid_t gateway = ReadPid(dir_ + "/gateway.pid");
+  const pid_t rank0 = ReadPid(dir_ + "/rank-0.pid");
+  const pid_t rank1 = ReadPid(dir_ + "/rank-1.pid");
+  ASSERT_GT(rank1, 0);
+
+  ASSERT_EQ(kill(rank1, SIGKILL), 0);
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.exited() && exit.exit_code() == 1) << exit.Describe();
+  EXPECT_TRUE(Gone(gateway) && Gone(rank0) && Gone(rank1));
+  const std::string err = Stderr();
+  EXPECT_NE(err.find(absl::StrCat("moe-cluster: rank 1 (pid ", rank1,
+                                  ") killed by signal 9 (SIGKILL) unexpectedly")),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("[gateway] fake gateway: signal 15, shutting down"), std::string::npos) << err;
+}
+
+TEST_F(ClusterTest, GatewayExitBeforeListeningFails) {
+  StartCluster(Args(2, {"--", "--exit-code", "3"}));
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.exited() && exit.exit_code() == 1) << exit.Describe();
+  const std::string err = Stderr();
+  EXPECT_NE(err.find("[gateway] fake gateway: exiting with code 3"), std::string::npos) << err;
+  EXPECT_NE(err.find("exited with code 3 unexpectedly"), std::string::npos) << err;
+  EXPECT_EQ(access((dir_ + "/rank-0.argv").c_str(), F_OK), -1);  // no rank was started
+  EXPECT_TRUE(Stdout().empty());
+}
+
+TEST_F(ClusterTest, ReadyTimeoutExitsOneAndStopsEverything) {
+  StartCluster(Args(1, {"--ready-timeout-s", "1.5", "--", "--never-serve"}));
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.exited() && exit.exit_code() == 1) << exit.Describe();
+  const std::string err = Stderr();
+  EXPECT_NE(err.find("moe-cluster: not ready after 1.5 s (--ready-timeout-s): gateway health "
+                     "check: NOT_SERVING; stopping"),
+            std::string::npos)
+      << err;
+  EXPECT_TRUE(Stdout().empty());
+  EXPECT_TRUE(Gone(ReadPid(dir_ + "/gateway.pid")));
+  EXPECT_TRUE(Gone(ReadPid(dir_ + "/rank-0.pid")));
+}
+
+TEST_F(ClusterTest, StragglerIsKilledAfterStopTimeout) {
+  StartCluster(
+      Args(1, {"--stop-timeout-s", "0.5", "--", "--ignore-term", "--serve-after-ms", "0"}));
+  ASSERT_TRUE(WaitForStdout(ReadyLine(1))) << Stderr();
+  const pid_t gateway = ReadPid(dir_ + "/gateway.pid");
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.success()) << exit.Describe();
+  EXPECT_TRUE(Gone(gateway));
+  const std::string err = Stderr();
+  EXPECT_NE(err.find("moe-cluster: sending SIGKILL to gateway"), std::string::npos) << err;
+  EXPECT_NE(err.find("gateway (pid "), std::string::npos) << err;
+}
+
+TEST_F(ClusterTest, MissingBinariesAndBadFlags) {
+  StartCluster({"--checkpoint", "x", "--ranks", "1", "--bin-dir", "/nonexistent"});
+  ChildExit exit = WaitExit();
+  EXPECT_EQ(exit.exit_code(), 1);
+  EXPECT_NE(Stderr().find("no executable /nonexistent/moe-gateway"), std::string::npos);
+
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--ranks", "1"}, Args(0), Args(1, {"stray"}),
+        Args(1, {"--metrics-port", std::to_string(port_ - 1)}), Args(1, {"--port", "70000"})}) {
+    StartCluster(bad);
+    exit = WaitExit();
+    EXPECT_EQ(exit.exit_code(), 2) << Stderr();
+  }
+  EXPECT_TRUE(Stdout().empty());
+}
+
+}  // namespace
+}  // namespace moe
