@@ -1,0 +1,188 @@
+// C++ client of the moe.v1 service (proto/moe/v1/moe.proto) and of grpc.health.v1.
+//
+//   ASSIGN_OR_RETURN(auto client, MoeClient::Connect("localhost:50051", ClientOptions{}));
+//   ASSIGN_OR_RETURN(ForwardResult y, client->Forward(layer, {tokens, hidden}, x, {}));
+//
+// One MoeClient owns one channel and is safe to share between threads: every call builds its
+// own context. gRPC errors come back as absl::Status with the same code and message.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "moe/v1/moe.grpc.pb.h"
+#include "moe/v1/moe.pb.h"
+
+namespace moe {
+
+struct ClientOptions {
+  // Largest message either way. 1 GiB: a K3 batch of 8192 tokens x 7168 fp32 is 224 MiB.
+  int max_message_bytes = 1 << 30;
+  // Calls wait for the channel to connect (up to their deadline) instead of failing fast with
+  // UNAVAILABLE while the server is down.
+  bool wait_for_ready = false;
+  // Cap on gRPC's reconnect backoff (its default grows to 120 s), so a restarted gateway is
+  // found again quickly.
+  absl::Duration max_reconnect_backoff = absl::Seconds(2);
+};
+
+struct ForwardOptions {
+  // Dtype of the input on the wire (values are rounded to nearest even for BF16/FP16).
+  moe::v1::DType dtype = moe::v1::FP32;
+  // Dtype of the output on the wire; DTYPE_UNSPECIFIED = `dtype`. Decoded to fp32 either way.
+  moe::v1::DType output_dtype = moe::v1::DTYPE_UNSPECIFIED;
+  bool return_routing = false;
+  // Deadline of a unary call; ignored by ForwardStreamSession::Send (see Receive).
+  absl::Duration timeout = absl::InfiniteDuration();
+  // Echoed by the server; ForwardStreamSession assigns one when empty.
+  std::string request_id;
+};
+
+// Router choices, [tokens, top_k] row-major, in descending order of biased score.
+struct ForwardRouting {
+  int top_k = 0;  // 0 when routing was not requested
+  std::vector<int32_t> expert_ids;
+  std::vector<float> weights;
+};
+
+// Timing the gateway reports for the step a request ran in.
+struct StepTiming {
+  int64_t queue_us = 0;     // waiting to join a step
+  int64_t step_us = 0;      // the step, end to end
+  int32_t step_tokens = 0;  // tokens in that step (all callers')
+};
+
+struct ForwardResult {
+  std::vector<int64_t> shape;  // the input's shape
+  std::vector<float> values;   // decoded to fp32 (exact for every wire dtype)
+  ForwardRouting routing;
+  StepTiming timing;
+  std::string request_id;
+};
+
+// grpc::Status -> absl::Status with the same code and message (the codes are numerically equal).
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// "bf16" | "fp16" | "fp32" (any case) -> the wire dtype; InvalidArgument otherwise.
+absl::StatusOr<moe::v1::DType> ParseWireDType(absl::string_view name);
+
+// The request Forward sends: `values` holds prod(shape) fp32 values, encoded as options.dtype.
+absl::StatusOr<moe::v1::ForwardRequest> MakeForwardRequest(int layer,
+                                                           const std::vector<int64_t>& shape,
+                                                           const float* values,
+                                                           const ForwardOptions& options);
+
+// Decodes a response. A set `error` (ForwardStream) becomes its status; a malformed output or
+// routing is an InternalError.
+absl::StatusOr<ForwardResult> DecodeForwardResponse(const moe::v1::ForwardResponse& response);
+
+class ForwardStreamSession;
+
+class MoeClient {
+ public:
+  // Creates the channel (insecure) without waiting for it to connect: a server that is down
+  // shows up as UNAVAILABLE on the first call, or use WaitUntilServing.
+  static absl::StatusOr<std::unique_ptr<MoeClient>> Connect(const std::string& target,
+                                                            const ClientOptions& options);
+
+  // Runs `layer` on hidden states `values` of `shape` ([T, H] or [B, T, H]).
+  absl::StatusOr<ForwardResult> Forward(int layer, const std::vector<int64_t>& shape,
+                                        const float* values, const ForwardOptions& options);
+  // The same call on a prepared request, response not decoded: for load generators, which
+  // encode once and reuse the request. An infinite `timeout` sets no deadline.
+  absl::StatusOr<moe::v1::ForwardResponse> ForwardRaw(const moe::v1::ForwardRequest& request,
+                                                      absl::Duration timeout);
+
+  absl::StatusOr<moe::v1::ModelInfo> GetModelInfo(absl::Duration timeout = absl::Seconds(10));
+
+  // grpc.health.v1.Health/Check: true for SERVING, false for NOT_SERVING / UNKNOWN; an RPC
+  // failure (server down, unknown service = NOT_FOUND) is an error.
+  absl::StatusOr<bool> IsServing(const std::string& service = "",
+                                 absl::Duration timeout = absl::Seconds(5));
+  // Polls the health service until it reports SERVING. DeadlineExceeded (with the last
+  // answer in the message) when `timeout` passes first.
+  absl::Status WaitUntilServing(absl::Duration timeout, const std::string& service = "");
+
+  // Opens a ForwardStream. `timeout` bounds the whole stream (infinite: no deadline).
+  absl::StatusOr<std::unique_ptr<ForwardStreamSession>> OpenStream(
+      absl::Duration timeout = absl::InfiniteDuration());
+
+  const std::string& target() const { return target_; }
+
+ private:
+  MoeClient(std::string target, const ClientOptions& options,
+            std::shared_ptr<grpc::Channel> channel);
+  void Prepare(grpc::ClientContext* context, absl::Duration timeout) const;
+
+  std::string target_;
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<moe::v1::MoeService::Stub> stub_;
+};
+
+// Many requests on one ForwardStream. The server serves them concurrently and answers in any
+// order; Receive matches responses to requests by request_id. Send and Receive may be called
+// from many threads at once (writes are serialized; one thread reads).
+class ForwardStreamSession {
+ public:
+  ~ForwardStreamSession();  // cancels the stream unless Finish was called
+  ForwardStreamSession(const ForwardStreamSession&) = delete;
+  ForwardStreamSession& operator=(const ForwardStreamSession&) = delete;
+
+  // Sends one request and returns its request_id (options.request_id, or a fresh one).
+  // InvalidArgument when that id is already in flight; the stream's status once it has ended.
+  absl::StatusOr<std::string> Send(int layer, const std::vector<int64_t>& shape,
+                                   const float* values, const ForwardOptions& options);
+  absl::StatusOr<std::string> Send(moe::v1::ForwardRequest request);
+
+  // Waits for the response to `request_id`. A per-request error comes back as its status;
+  // DeadlineExceeded when `timeout` passes first (the request stays in flight); the stream's
+  // final status when it ended without answering.
+  absl::StatusOr<ForwardResult> Receive(const std::string& request_id,
+                                        absl::Duration timeout = absl::InfiniteDuration());
+  absl::StatusOr<moe::v1::ForwardResponse> ReceiveRaw(
+      const std::string& request_id, absl::Duration timeout = absl::InfiniteDuration());
+
+  // Half-closes the stream, waits for the server to end it and returns its status. Responses
+  // that arrived before the end can still be received.
+  absl::Status Finish();
+
+ private:
+  friend class MoeClient;
+  ForwardStreamSession(std::shared_ptr<grpc::Channel> channel, absl::Duration timeout,
+                       bool wait_for_ready);
+  void ReadLoop();
+  // Waits (bounded) for the reader to see the end of the stream; returns its status.
+  absl::Status EndStatus();
+
+  std::unique_ptr<moe::v1::MoeService::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<moe::v1::ForwardRequest, moe::v1::ForwardResponse>>
+      stream_;
+  std::thread reader_;
+
+  std::mutex write_mu_;  // gRPC allows one writer at a time
+  bool writes_done_ = false;
+  uint64_t next_id_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::set<std::string> in_flight_;                          // sent, not yet received
+  std::map<std::string, moe::v1::ForwardResponse> arrived_;  // answered, not yet received
+  bool ended_ = false;
+  absl::Status end_status_;
+};
+
+}  // namespace moe
