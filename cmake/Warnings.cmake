@@ -2,7 +2,7 @@
 # (via moe_target_warnings), never to generated protobuf code.
 # -ffp-contract=off: the numerics contract fixes every fp32 rounding (no silent FMA contraction).
 add_compile_options($<$<COMPILE_LANGUAGE:CXX,C>:-ffp-contract=off>)
-set(MOE_WARNING_FLAGS -Wall -Wextra -Wpedantic -Wshadow=local -Wnon-virtual-dtor -Wno-unused-parameter)
+set(MOE_WARNING_FLAGS -Wall -Wextra -Wpedantic -Wshadow=local -Wnon-virtual-dtor -Wno-unused-parameter -Wno-missing-field-initializers)
 if(MOE_WERROR)
   list(APPEND MOE_WARNING_FLAGS -Werror)
 endif()

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   moe::RankOptions options;
   int64_t connect_timeout_s = 600;
   bool exit_on_disconnect = false;
+  int64_t debug_step_delay_ms = 0;
   moe::Flags flags(
       "usage: moe-rank --gateway HOST:PORT [--rank R] [options]\n\n"
       "Registers with moe-gateway, loads its shard of the routed experts (memory-mapped from the\n"
@@ -32,10 +33,13 @@ int main(int argc, char** argv) {
   flags.Int("connect-timeout-s", &connect_timeout_s, "how long to wait for the gateway");
   flags.Bool("exit-on-disconnect", &exit_on_disconnect,
              "exit when the gateway goes away instead of re-registering");
+  flags.Int("debug-step-delay-ms", &debug_step_delay_ms,
+            "fault injection: delay every step (tests only)");
   flags.Require("gateway");
   flags.ParseOrExit(argc, argv);
   options.connect_timeout = absl::Seconds(connect_timeout_s);
   options.reconnect = !exit_on_disconnect;
+  options.debug_step_delay = absl::Milliseconds(debug_step_delay_ms);
 
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);

@@ -140,6 +140,7 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
                         : absl::StatusOr<ConstPartialView>(s);
       }
     }
+    if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
     RankStepStats stats;
     stats.compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
     stats.active_experts = static_cast<int>(active.size());

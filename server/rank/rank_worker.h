@@ -29,6 +29,8 @@ struct RankOptions {
   absl::Duration connect_timeout = absl::Minutes(10);  // how long to wait for the gateway
   bool reconnect = true;                               // register again when the gateway goes away
   int64_t max_message_bytes = int64_t{1} << 30;
+  // Fault injection for tests: sleep this long before answering each step.
+  absl::Duration debug_step_delay = absl::ZeroDuration();
 };
 
 // Per-step counters a rank exposes (metrics).

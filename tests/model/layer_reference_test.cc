@@ -9,8 +9,6 @@
 //   fp32 <= 1e-4: no intermediate rounding; only summation order differs (~1e-7 measured).
 // Tokens whose top-k choice is a near-tie (the reference reports them) may legitimately route
 // differently; they are excluded and counted, and must be rare.
-#include <fcntl.h>
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -27,6 +25,7 @@
 #include "model/checkpoint.h"
 #include "model/moe_layer.h"
 #include "model/synthetic.h"
+#include "tests/testing/test_checkpoints.h"
 
 namespace moe {
 namespace {
@@ -38,30 +37,7 @@ struct ModelCase {
 };
 void PrintTo(const ModelCase& m, std::ostream* os) { *os << m.name; }
 
-MoeConfig MakeConfig(const std::string& name) {
-  if (name == "k3-mini") return *SyntheticPreset("k3-mini");
-  if (name == "k2-fp8-odd") {
-    // Kimi K2 layout in FP8 with widths that are not multiples of 128 (partial scale blocks)
-    // and DeepSeek-V3 group-limited routing.
-    MoeConfig c = *SyntheticPreset("kimi-k2");
-    c.hidden_size = 456;
-    c.expert_hidden_size = 200;
-    c.routing.num_experts = 24;
-    c.routing.top_k = 8;
-    c.routing.n_group = 4;
-    c.routing.topk_group = 2;
-    return c;
-  }
-  // Kimi K3 at full widths, MXFP4 routed experts, fewer experts.
-  MoeConfig c = *SyntheticPreset("kimi-k3");
-  c.routing.num_experts = 32;
-  c.routing.top_k = 16;
-  return c;
-}
-
-// Checkpoints are cached in the build tree (deterministic from the seed) and shared by the
-// test processes ctest starts; per-test inputs/outputs go to a per-process directory.
-std::string CacheDir() { return absl::StrCat(MOE_BINARY_DIR, "/testdata"); }
+// Per-test inputs/outputs go to a per-process directory.
 std::string Dir() {
   const char* tmp = std::getenv("TMPDIR");
   return absl::StrCat(tmp ? tmp : "/tmp", "/moe_layer_reference_", getpid());
@@ -72,27 +48,7 @@ class LayerReferenceTest : public ::testing::TestWithParam<std::tuple<ModelCase,
   static void SetUpTestSuite() { std::filesystem::create_directories(Dir()); }
   static void TearDownTestSuite() { std::filesystem::remove_all(Dir()); }
 
-  // Writes each model's checkpoint once (file lock against concurrent test processes).
-  static std::string Checkpoint(const std::string& name) {
-    const std::string dir = absl::StrCat(CacheDir(), "/", name, "-seed7");
-    std::filesystem::create_directories(CacheDir());
-    const int lock = open((dir + ".lock").c_str(), O_CREAT | O_RDWR, 0644);
-    flock(lock, LOCK_EX);
-    if (!std::filesystem::exists(dir + "/complete")) {
-      std::filesystem::remove_all(dir);
-      SyntheticOptions options;
-      options.num_moe_layers = 1;
-      options.seed = 7;
-      options.max_shard_bytes =
-          name == "k3-mini" ? (16 << 20) : (int64_t{1} << 30);  // several shards
-      const absl::Status written = WriteSyntheticCheckpoint(dir, MakeConfig(name), options);
-      EXPECT_TRUE(written.ok()) << written;
-      if (written.ok()) std::fclose(std::fopen((dir + "/complete").c_str(), "w"));
-    }
-    flock(lock, LOCK_UN);
-    close(lock);
-    return dir;
-  }
+  static std::string Checkpoint(const std::string& name) { return testing::TestCheckpoint(name); }
 };
 
 TEST_P(LayerReferenceTest, MatchesIndependentReference) {

@@ -1,0 +1,81 @@
+// Forward request validation: one precise status per kind of bad input.
+#include "server/gateway/request_validation.h"
+
+#include <cmath>
+
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+moe::v1::ForwardRequest Request(int layer, std::vector<int64_t> shape,
+                                moe::v1::DType dtype = moe::v1::FP32) {
+  moe::v1::ForwardRequest r;
+  r.set_layer(layer);
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> values(n);
+  for (int64_t i = 0; i < n; ++i) values[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
+  EXPECT_TRUE(EncodeTensor(values.data(), shape, dtype, r.mutable_hidden_states()).ok());
+  return r;
+}
+
+const RequestLimits kLimits{8, 16, {1, 2}};
+
+TEST(RequestValidationTest, AcceptsEveryDtypeAndBothShapes) {
+  for (auto dtype : {moe::v1::BF16, moe::v1::FP16, moe::v1::FP32}) {
+    auto v = ValidateForwardRequest(Request(1, {3, 8}, dtype), kLimits);
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ(v->tokens, 3);
+    EXPECT_EQ(v->output_dtype, dtype);
+    EXPECT_EQ(v->input.values[1], -0.75f);  // exact in every dtype
+  }
+  auto v = ValidateForwardRequest(Request(2, {2, 4, 8}), kLimits);
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->tokens, 8);
+}
+
+TEST(RequestValidationTest, RejectsBadInputWithPreciseCodes) {
+  EXPECT_EQ(ValidateForwardRequest(Request(3, {1, 8}), kLimits).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(ValidateForwardRequest(Request(1, {1, 9}), kLimits).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateForwardRequest(Request(1, {8}), kLimits).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateForwardRequest(Request(1, {0, 8}), kLimits).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateForwardRequest(Request(1, {17, 8}), kLimits).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  {
+    moe::v1::ForwardRequest huge;  // shape claims 2^60 tokens, no data: no overflow, no allocation
+    huge.set_layer(1);
+    huge.mutable_hidden_states()->set_dtype(moe::v1::FP32);
+    for (int64_t d : {int64_t{1} << 30, int64_t{1} << 30, int64_t{8}})
+      huge.mutable_hidden_states()->add_shape(d);
+    EXPECT_EQ(ValidateForwardRequest(huge, kLimits).status().code(),
+              absl::StatusCode::kResourceExhausted);
+  }
+  auto r = Request(1, {2, 8});
+  r.mutable_hidden_states()->mutable_data()->pop_back();
+  EXPECT_EQ(ValidateForwardRequest(r, kLimits).status().code(), absl::StatusCode::kInvalidArgument);
+  r = Request(1, {2, 8});
+  r.mutable_hidden_states()->set_dtype(moe::v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(ValidateForwardRequest(r, kLimits).status().code(), absl::StatusCode::kInvalidArgument);
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    std::vector<float> x(16, 0.5f);
+    x[11] = bad;
+    moe::v1::ForwardRequest req;
+    req.set_layer(1);
+    ASSERT_TRUE(EncodeTensor(x.data(), {2, 8}, moe::v1::FP32, req.mutable_hidden_states()).ok());
+    auto s = ValidateForwardRequest(req, kLimits).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("token 1, feature 3"), std::string::npos) << s.message();
+  }
+  moe::v1::ForwardRequest empty;
+  empty.set_layer(1);
+  EXPECT_EQ(ValidateForwardRequest(empty, kLimits).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,104 @@
+#include "tests/testing/local_cluster.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace moe::testing {
+namespace {
+std::atomic<int> g_cluster_counter{0};
+}
+
+LocalCluster::LocalCluster(const ClusterOptions& options) : options_(options) {
+  log_dir_ =
+      absl::StrCat(::testing::TempDir(), "/moe_cluster_", getpid(), "_", g_cluster_counter++);
+  std::filesystem::create_directories(log_dir_);
+}
+
+LocalCluster::~LocalCluster() {
+  for (auto& r : ranks_) r->Signal(SIGKILL);
+  if (gateway_) gateway_->Signal(SIGKILL);
+  ranks_.clear();
+  gateway_.reset();
+  std::filesystem::remove_all(log_dir_);
+}
+
+std::string LocalCluster::target() const { return absl::StrCat("127.0.0.1:", port_); }
+
+absl::Status LocalCluster::Start(absl::Duration timeout) {
+  std::vector<std::string> argv = {BinaryPath("moe-gateway"),
+                                   "--checkpoint",
+                                   options_.checkpoint,
+                                   "--ranks",
+                                   absl::StrCat(options_.ranks),
+                                   "--port",
+                                   "0",
+                                   "--host",
+                                   "127.0.0.1",
+                                   "--threads",
+                                   absl::StrCat(options_.threads)};
+  argv.insert(argv.end(), options_.gateway_args.begin(), options_.gateway_args.end());
+  gateway_ = std::make_unique<ChildProcess>(argv, log_dir_ + "/gateway.log");
+  const std::string line = gateway_->WaitForLog("waiting for", timeout);
+  if (line.empty())
+    return absl::DeadlineExceededError(absl::StrCat("gateway did not start:\n", Logs()));
+  // "moe-gateway: serving DIR on 127.0.0.1:PORT, ..."
+  const size_t colon = line.find("127.0.0.1:");
+  if (colon == std::string::npos ||
+      !absl::SimpleAtoi(line.substr(colon + 10, line.find(',', colon) - colon - 10), &port_))
+    return absl::InternalError(absl::StrCat("cannot parse the gateway port from: ", line));
+  for (int r = 0; r < options_.ranks; ++r) {
+    std::vector<std::string> rank_argv = {BinaryPath("moe-rank"),
+                                          "--gateway",
+                                          target(),
+                                          "--rank",
+                                          absl::StrCat(r),
+                                          "--threads",
+                                          absl::StrCat(options_.threads),
+                                          "--exit-on-disconnect"};
+    rank_argv.insert(rank_argv.end(), options_.rank_args.begin(), options_.rank_args.end());
+    ranks_.push_back(
+        std::make_unique<ChildProcess>(rank_argv, absl::StrCat(log_dir_, "/rank", r, ".log")));
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxSendMessageSize(1 << 30);
+  channel_ = grpc::CreateCustomChannel(target(), grpc::InsecureChannelCredentials(), args);
+  stub_ = moe::v1::MoeService::NewStub(channel_);
+  const absl::Time end = absl::Now() + timeout;
+  while (!Serving()) {
+    if (absl::Now() > end)
+      return absl::DeadlineExceededError(absl::StrCat("cluster not ready:\n", Logs()));
+    if (!gateway_->running()) return absl::InternalError(absl::StrCat("gateway exited:\n", Logs()));
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return absl::OkStatus();
+}
+
+bool LocalCluster::Serving() {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status s = health->Check(&context, request, &response);
+  return s.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+std::string LocalCluster::Logs() const {
+  std::string out;
+  if (gateway_) absl::StrAppend(&out, "--- gateway\n", gateway_->Log());
+  for (size_t r = 0; r < ranks_.size(); ++r)
+    absl::StrAppend(&out, "--- rank ", r, "\n", ranks_[r]->Log());
+  return out;
+}
+
+}  // namespace moe::testing

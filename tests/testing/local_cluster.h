@@ -1,0 +1,48 @@
+// A gateway and N ranks as real processes on loopback, for integration tests.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "moe/v1/moe.grpc.pb.h"
+#include "tests/testing/child_process.h"
+
+namespace moe::testing {
+
+struct ClusterOptions {
+  std::string checkpoint;
+  int ranks = 2;
+  std::vector<std::string> gateway_args;  // extra flags
+  std::vector<std::string> rank_args;     // extra flags for every rank
+  int threads = 1;                        // per process (tests share 2 cores)
+};
+
+class LocalCluster {
+ public:
+  explicit LocalCluster(const ClusterOptions& options);
+  ~LocalCluster();
+
+  // Starts everything and waits until the gateway reports SERVING.
+  absl::Status Start(absl::Duration timeout = absl::Seconds(60));
+  int port() const { return port_; }
+  std::string target() const;
+  moe::v1::MoeService::Stub& stub() { return *stub_; }
+  ChildProcess& gateway() { return *gateway_; }
+  ChildProcess& rank(int i) { return *ranks_[i]; }
+  // grpc.health.v1 status of the gateway: true when SERVING.
+  bool Serving();
+  std::string Logs() const;
+
+ private:
+  ClusterOptions options_;
+  std::string log_dir_;
+  std::unique_ptr<ChildProcess> gateway_;
+  std::vector<std::unique_ptr<ChildProcess>> ranks_;
+  int port_ = 0;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<moe::v1::MoeService::Stub> stub_;
+};
+
+}  // namespace moe::testing
