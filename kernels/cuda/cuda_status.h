@@ -1,0 +1,39 @@
+// CUDA and cuBLAS errors as absl::Status, translated where they happen (NCCL style: every
+// call checked, one line of context per hop, never abort).
+//
+//   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(...));      // INTERNAL / RESOURCE_EXHAUSTED / ...
+//   CUBLAS_RETURN_IF_ERROR(cublasGemmEx(...));
+//
+// Host-only header (includes the CUDA runtime and cuBLAS headers); never part of a public
+// interface.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+
+namespace moe::cuda {
+
+// "cudaMemcpyAsync(...) failed at file.cc:12: cudaErrorInvalidValue (invalid argument)".
+// cudaErrorMemoryAllocation maps to RESOURCE_EXHAUSTED, no device / no driver to
+// UNAVAILABLE, everything else to INTERNAL.
+absl::Status CudaStatus(cudaError_t err, const char* expr, const char* file, int line);
+absl::Status CublasStatus(cublasStatus_t err, const char* expr, const char* file, int line);
+const char* CublasStatusName(cublasStatus_t err);
+
+}  // namespace moe::cuda
+
+#define CUDA_RETURN_IF_ERROR(expr)                                              \
+  do {                                                                          \
+    const cudaError_t moe_cuda_err_ = (expr);                                   \
+    if (moe_cuda_err_ != cudaSuccess)                                           \
+      return ::moe::cuda::CudaStatus(moe_cuda_err_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+#define CUBLAS_RETURN_IF_ERROR(expr)                                                \
+  do {                                                                              \
+    const cublasStatus_t moe_cublas_err_ = (expr);                                  \
+    if (moe_cublas_err_ != CUBLAS_STATUS_SUCCESS)                                   \
+      return ::moe::cuda::CublasStatus(moe_cublas_err_, #expr, __FILE__, __LINE__); \
+  } while (0)
