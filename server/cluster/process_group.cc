@@ -46,12 +46,12 @@ std::string ChildExit::Describe() const {
 // ---- stderr ------------------------------------------------------------------------------
 
 void WriteStderrLine(absl::string_view line) {
-  static absl::Mutex* const mu = new absl::Mutex;
+  static std::mutex* const mu = new std::mutex;
   std::string buffer;
   buffer.reserve(line.size() + 1);
   buffer.append(line.data(), line.size());
   buffer.push_back('\n');
-  absl::MutexLock lock(mu);
+  std::lock_guard<std::mutex> lock(*mu);
   const char* p = buffer.data();
   size_t left = buffer.size();
   while (left > 0) {
@@ -161,12 +161,12 @@ ProcessGroup::ProcessGroup(Options options) : options_(std::move(options)) {
 ProcessGroup::~ProcessGroup() {
   if (running() > 0) StopAll(absl::Seconds(10));
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     shutdown_ = true;
   }
   Wake();
   monitor_.join();
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   for (auto& child : children_) {
     CloseFd(child->out_fd);
     CloseFd(child->pidfd);
@@ -178,7 +178,7 @@ absl::StatusOr<pid_t> ProcessGroup::Start(const std::string& name,
                                           const std::vector<std::string>& argv) {
   if (argv.empty()) return absl::InvalidArgumentError(absl::StrCat(name, ": empty argv"));
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
       return absl::FailedPreconditionError(absl::StrCat(name, ": the group is stopping"));
     }
@@ -246,7 +246,7 @@ absl::StatusOr<pid_t> ProcessGroup::Start(const std::string& name,
   child->out_fd = out_pipe[0];
   child->pidfd = OpenPidfd(pid);
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     children_.push_back(std::move(child));
     ++running_;
   }
@@ -255,7 +255,7 @@ absl::StatusOr<pid_t> ProcessGroup::Start(const std::string& name,
 }
 
 void ProcessGroup::SignalAll(int sig) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   // NOTES: signalling under mu_, which reaping also holds, means a pid is never signalled
   // after it was reaped (and possibly reused).
   for (auto& child : children_) {
@@ -266,33 +266,42 @@ void ProcessGroup::SignalAll(int sig) {
   }
 }
 
+namespace {
+
+// cv.wait_until(lock, deadline, done), for absl deadlines (InfiniteFuture included).
+template <typename Predicate>
+bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, absl::Time deadline,
+               Predicate done) {
+  if (deadline == absl::InfiniteFuture()) {
+    cv.wait(lock, done);
+    return true;
+  }
+  return cv.wait_until(lock, absl::ToChronoTime(deadline), done);
+}
+
+}  // namespace
+
 absl::optional<ChildExit> ProcessGroup::WaitForExit(pid_t pid, absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
-  auto find = [this, pid]() -> const ChildExit* {
-    mu_.AssertHeld();
+  std::unique_lock<std::mutex> lock(mu_);
+  auto find = [this, pid]() -> const ChildExit* {  // mu_ held
     for (const ChildExit& e : exits_)
       if (e.pid == pid) return &e;
     return nullptr;
   };
-  auto done = [&find]() { return find() != nullptr; };
-  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  WaitUntil(exited_, lock, deadline, [&find] { return find() != nullptr; });
   const ChildExit* exit = find();
   if (exit == nullptr) return absl::nullopt;
   return *exit;
 }
 
 bool ProcessGroup::WaitAll(absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
-  auto done = [this]() {
-    mu_.AssertHeld();
-    return running_ == 0;
-  };
-  return mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  std::unique_lock<std::mutex> lock(mu_);
+  return WaitUntil(exited_, lock, deadline, [this] { return running_ == 0; });
 }
 
 std::vector<std::string> ProcessGroup::StopAll(absl::Duration grace) {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
   std::vector<std::string> killed;
@@ -305,12 +314,12 @@ std::vector<std::string> ProcessGroup::StopAll(absl::Duration grace) {
 }
 
 int ProcessGroup::running() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return running_;
 }
 
 std::vector<std::string> ProcessGroup::running_names() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> names;
   for (const auto& child : children_)
     if (!child->reaped) names.push_back(child->name);
@@ -318,7 +327,7 @@ std::vector<std::string> ProcessGroup::running_names() const {
 }
 
 std::vector<ChildExit> ProcessGroup::exits() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return exits_;
 }
 
@@ -376,7 +385,7 @@ void ProcessGroup::MonitorLoop() {
     std::vector<Child*> children;
     bool shutdown;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       shutdown = shutdown_;
       for (auto& child : children_) children.push_back(child.get());
     }
@@ -405,7 +414,7 @@ void ProcessGroup::MonitorLoop() {
       if (child->pidfd >= 0) {
         watch(child->pidfd, child, false);
       } else {
-        absl::MutexLock lock(&mu_);
+        std::lock_guard<std::mutex> lock(mu_);
         if (!child->reaped) need_timeout = true;  // no pidfd: poll waitpid
       }
     }
@@ -427,7 +436,7 @@ void ProcessGroup::MonitorLoop() {
     // Reap. waitpid runs under mu_ so that SignalAll never signals a reaped pid.
     std::vector<std::pair<Child*, ChildExit>> reaped;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       for (Child* child : children) {
         if (child->reaped) continue;
         int status = 0;
@@ -449,10 +458,11 @@ void ProcessGroup::MonitorLoop() {
       // stay open in its own children; then only what is there now is forwarded.
       DrainOutput(*child, kDrainLimit);
       {
-        absl::MutexLock lock(&mu_);
+        std::lock_guard<std::mutex> lock(mu_);
         exits_.push_back(exit);
         --running_;
       }
+      exited_.notify_all();
       if (options_.on_exit) options_.on_exit(exit);
     }
   }

@@ -17,16 +17,16 @@
 
 #include <sys/types.h>
 
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/optional.h"
 
@@ -121,12 +121,16 @@ class ProcessGroup {
   int wake_fd_ = -1;  // eventfd: wakes the monitor thread out of poll
   std::thread monitor_;
 
-  mutable absl::Mutex mu_;
-  std::vector<std::unique_ptr<Child>> children_ ABSL_GUARDED_BY(mu_);
-  std::vector<ChildExit> exits_ ABSL_GUARDED_BY(mu_);
-  int running_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  // NOTES: std::mutex, not absl::Mutex: Debian's Abseil is not built with ThreadSanitizer,
+  // which then cannot see absl::Mutex's synchronization and reports false races.
+  mutable std::mutex mu_;
+  std::condition_variable exited_;  // signalled when a child joins exits_
+  // Guarded by mu_:
+  std::vector<std::unique_ptr<Child>> children_;
+  std::vector<ChildExit> exits_;
+  int running_ = 0;
+  bool stopping_ = false;
+  bool shutdown_ = false;
 };
 
 }  // namespace moe

@@ -64,6 +64,9 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
       gateway->engine_,
       GatewayEngine::Create(*gateway->checkpoint_, layers, std::move(placement), options.precision,
                             gateway->backend_.get(), gateway->transport_.get()));
+  gateway->metrics_ = std::make_unique<GatewayMetrics>(
+      config, gateway->engine_->layers(), gateway->engine_->placement(), options.metrics);
+  gateway->engine_->SetObserver(gateway->metrics_.get());
   gateway->batcher_ = std::make_unique<StepBatcher>(gateway->engine_.get(), options.batcher);
   gateway->ranks_.resize(options.num_ranks);
   gateway->session_ = NewSession();
@@ -77,6 +80,10 @@ Gateway::Gateway(const GatewayOptions& options) : options_(options) {}
 Gateway::~Gateway() { Shutdown(absl::Seconds(1)); }
 
 absl::Status Gateway::Start() {
+  if (options_.metrics_port >= 0) {
+    RETURN_IF_ERROR(
+        metrics_->Serve(absl::StrCat(options_.metrics_host, ":", options_.metrics_port)));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   moe_service_ = std::make_unique<MoeServiceImpl>(this);
@@ -144,8 +151,11 @@ absl::StatusOr<int> Gateway::ClaimRank(int requested) {
 }
 
 void Gateway::UpdateRank(int rank, const RankRecord& record) {
-  std::lock_guard<std::mutex> lock(ranks_mu_);
-  ranks_[rank] = record;
+  {
+    std::lock_guard<std::mutex> lock(ranks_mu_);
+    ranks_[rank] = record;
+  }
+  metrics_->SetRankWeightBytes(rank, record.weight_bytes);
 }
 
 std::vector<RankRecord> Gateway::ranks() const {
@@ -154,6 +164,7 @@ std::vector<RankRecord> Gateway::ranks() const {
 }
 
 void Gateway::OnRankState(int rank, bool up) {
+  metrics_->OnRankState(rank, up);
   const bool all_up = ready();
   std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
                ReadinessMessage().c_str());

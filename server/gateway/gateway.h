@@ -19,6 +19,7 @@
 #include "model/checkpoint.h"
 #include "server/gateway/gateway_engine.h"
 #include "server/gateway/step_batcher.h"
+#include "server/metrics/gateway_metrics.h"
 #include "transport/grpc_transport.h"
 
 namespace moe {
@@ -39,6 +40,9 @@ struct GatewayOptions {
   int64_t max_request_tokens = 4096;
   CpuBackendOptions cpu;                         // gateway compute threads
   int64_t max_message_bytes = int64_t{1} << 30;  // gRPC message limit (large K3 batches)
+  std::string metrics_host = "0.0.0.0";
+  int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
+  MetricsOptions metrics;
 };
 
 // What a rank told us about itself (model info).
@@ -67,6 +71,8 @@ class Gateway {
   GatewayEngine& engine() { return *engine_; }
   StepBatcher& batcher() { return *batcher_; }
   GrpcGatewayTransport& grpc_transport() { return *transport_; }
+  GatewayMetrics& metrics() { return *metrics_; }
+  int metrics_port() const { return metrics_->port(); }
   const std::string& session() const { return session_; }
   std::string backend_name() const { return backend_->name(); }
 
@@ -84,6 +90,7 @@ class Gateway {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<GrpcGatewayTransport> transport_;
   std::unique_ptr<GatewayEngine> engine_;
+  std::unique_ptr<GatewayMetrics> metrics_;
   std::unique_ptr<StepBatcher> batcher_;
   std::unique_ptr<MoeServiceImpl> moe_service_;
   std::unique_ptr<RankControlServiceImpl> control_service_;

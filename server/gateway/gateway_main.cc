@@ -45,6 +45,13 @@ int main(int argc, char** argv) {
             "queue limit (RESOURCE_EXHAUSTED beyond)");
   flags.Int("step-timeout-ms", &step_timeout_ms, "bound on one step's exchange with the ranks");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
+  flags.Int("metrics-port", &options.metrics_port,
+            "Prometheus /metrics port (-1 = off, 0 = any free port)");
+  flags.String("metrics-host", &options.metrics_host, "metrics listen address");
+  flags.Bool("per-expert-metrics", &options.metrics.per_expert,
+             "export per-expert series (experts x layers of them)");
+  flags.Int("balance-window-steps", &options.metrics.window_steps,
+            "steps in the load-balance sliding window");
   flags.Require("checkpoint");
   flags.ParseOrExit(argc, argv);
   options.precision = dtype == "fp32" ? moe::Precision::kFP32 : moe::Precision::kBF16;
@@ -77,6 +84,9 @@ int main(int argc, char** argv) {
                options.checkpoint.c_str(), options.host.c_str(), (*gateway)->port(),
                absl::StrJoin((*gateway)->engine().layers(), ",").c_str(),
                (*gateway)->backend_name().c_str(), options.num_ranks);
+  if (options.metrics_port >= 0)
+    std::fprintf(stderr, "moe-gateway: metrics on %s:%d/metrics\n", options.metrics_host.c_str(),
+                 (*gateway)->metrics_port());
   std::fflush(stderr);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);

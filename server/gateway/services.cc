@@ -63,6 +63,17 @@ absl::Time DeadlineOf(const grpc::ServerContext& context) {
 
 grpc::Status MoeServiceImpl::Forward(grpc::ServerContext* context, const ForwardRequest* request,
                                      ForwardResponse* response) {
+  const absl::Time start = absl::Now();
+  absl::Duration queue;
+  grpc::Status status = ForwardOnce(context, request, response, &queue);
+  gateway_->metrics().OnRequest(request->layer(), status.error_code(), absl::Now() - start, queue);
+  return status;
+}
+
+grpc::Status MoeServiceImpl::ForwardOnce(grpc::ServerContext* context,
+                                         const ForwardRequest* request_ptr,
+                                         ForwardResponse* response, absl::Duration* queue) {
+  const ForwardRequest* request = request_ptr;
   ValidatedRequest validated;
   auto call = MakeCall(*gateway_, *request, DeadlineOf(*context), &validated);
   if (!call.ok()) return ToGrpcStatus(call.status());
@@ -74,6 +85,7 @@ grpc::Status MoeServiceImpl::Forward(grpc::ServerContext* context, const Forward
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
     }
   }
+  *queue = (*call)->queue_time;
   if (!(*call)->status.ok()) return ToGrpcStatus((*call)->status);
   FillResponse(**call, validated, *request, response);
   return grpc::Status::OK;
@@ -110,7 +122,9 @@ grpc::Status MoeServiceImpl::ForwardStream(
     auto owned_request = std::make_shared<ForwardRequest>();
     owned_request->set_request_id(request.request_id());
     owned_request->set_return_routing(request.return_routing());
-    (*call)->on_done = [&, validated, owned_request](ForwardCall& done) {
+    (*call)->on_done = [&, validated, owned_request, start = absl::Now()](ForwardCall& done) {
+      gateway_->metrics().OnRequest(done.layer, static_cast<int>(done.status.code()),
+                                    absl::Now() - start, done.queue_time);
       if (done.status.ok()) {
         ForwardResponse response;
         FillResponse(done, *validated, *owned_request, &response);

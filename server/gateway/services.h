@@ -21,6 +21,8 @@ class MoeServiceImpl final : public moe::v1::MoeService::Service {
                             moe::v1::ModelInfo* response) override;
 
  private:
+  grpc::Status ForwardOnce(grpc::ServerContext* context, const moe::v1::ForwardRequest* request,
+                           moe::v1::ForwardResponse* response, absl::Duration* queue);
   Gateway* gateway_;
 };
 

@@ -6,7 +6,9 @@
 #include <cstdlib>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "core/flags.h"
+#include "server/metrics/rank_metrics.h"
 #include "server/rank/rank_worker.h"
 
 namespace {
@@ -21,6 +23,8 @@ int main(int argc, char** argv) {
   int64_t connect_timeout_s = 600;
   bool exit_on_disconnect = false;
   int64_t debug_step_delay_ms = 0;
+  int metrics_port = -1;
+  std::string metrics_host = "0.0.0.0";
   moe::Flags flags(
       "usage: moe-rank --gateway HOST:PORT [--rank R] [options]\n\n"
       "Registers with moe-gateway, loads its shard of the routed experts (memory-mapped from the\n"
@@ -33,6 +37,9 @@ int main(int argc, char** argv) {
   flags.Int("connect-timeout-s", &connect_timeout_s, "how long to wait for the gateway");
   flags.Bool("exit-on-disconnect", &exit_on_disconnect,
              "exit when the gateway goes away instead of re-registering");
+  flags.Int("metrics-port", &metrics_port,
+            "serve Prometheus /metrics on this port (-1 = off, 0 = any free port)");
+  flags.String("metrics-host", &metrics_host, "metrics listen address");
   flags.Int("debug-step-delay-ms", &debug_step_delay_ms,
             "fault injection: delay every step (tests only)");
   flags.Require("gateway");
@@ -44,6 +51,16 @@ int main(int argc, char** argv) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   moe::RankWorker worker(options);
+  moe::RankMetrics metrics;
+  if (metrics_port >= 0) {
+    if (absl::Status s = metrics.Serve(absl::StrCat(metrics_host, ":", metrics_port)); !s.ok()) {
+      std::fprintf(stderr, "moe-rank: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    worker.SetObserver(&metrics);
+    std::fprintf(stderr, "moe-rank: metrics on %s:%d/metrics\n", metrics_host.c_str(),
+                 metrics.port());
+  }
   std::atomic<bool> finished{false};
   absl::Status result;
   std::thread runner([&] {

@@ -94,6 +94,7 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
       shards_.empty() ? "0" : absl::StrCat(shards_.begin()->second->expert_ids().size()).c_str(),
       weight_bytes_.load() / 1e9, absl::ToDoubleSeconds(absl::Now() - t0));
   std::fflush(stderr);
+  if (observer_ != nullptr) observer_->OnRegistered(rank_.load(), weight_bytes_.load());
   return absl::OkStatus();
 }
 
@@ -144,12 +145,17 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
     RankStepStats stats;
     stats.compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
     stats.active_experts = static_cast<int>(active.size());
-    counters_.steps++;
-    counters_.rows += step->rows.rows;
-    counters_.compute_us += stats.compute_us;
-    counters_.bytes_received +=
-        step->rows.rows * step->rows.cols * (step->precision == Precision::kBF16 ? 2 : 4);
-    counters_.bytes_sent += step->rows.rows * step->rows.cols * 8;
+    if (observer_ != nullptr) {
+      RankStepReport report;
+      report.layer = step->layer;
+      report.rows = step->rows.rows;
+      report.active_experts = stats.active_experts;
+      report.compute = absl::Microseconds(stats.compute_us);
+      report.bytes_received =
+          step->rows.rows * step->rows.cols * (step->precision == Precision::kBF16 ? 2 : 4);
+      report.bytes_sent = step->rows.rows * step->rows.cols * static_cast<int64_t>(sizeof(double));
+      observer_->OnRankStep(report);
+    }
     RETURN_IF_ERROR(transport.Reply(step->step_id, result, stats));
   }
 }

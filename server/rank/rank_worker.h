@@ -33,13 +33,21 @@ struct RankOptions {
   absl::Duration debug_step_delay = absl::ZeroDuration();
 };
 
-// Per-step counters a rank exposes (metrics).
-struct RankCounters {
-  std::atomic<int64_t> steps{0};
-  std::atomic<int64_t> rows{0};
-  std::atomic<int64_t> compute_us{0};
-  std::atomic<int64_t> bytes_received{0};
-  std::atomic<int64_t> bytes_sent{0};
+// What a rank reports about each step (metrics).
+struct RankStepReport {
+  int layer = 0;
+  int64_t rows = 0;
+  int active_experts = 0;
+  absl::Duration compute;
+  int64_t bytes_received = 0;
+  int64_t bytes_sent = 0;
+};
+
+class RankStepObserver {
+ public:
+  virtual ~RankStepObserver() = default;
+  virtual void OnRegistered(int rank, int64_t weight_bytes) = 0;
+  virtual void OnRankStep(const RankStepReport& report) = 0;
 };
 
 class RankWorker {
@@ -53,7 +61,8 @@ class RankWorker {
 
   int rank() const { return rank_.load(); }
   int64_t weight_bytes() const { return weight_bytes_.load(); }
-  const RankCounters& counters() const { return counters_; }
+  // Must be set before Run().
+  void SetObserver(RankStepObserver* observer) { observer_ = observer; }
 
  private:
   absl::Status RegisterAndLoad(moe::v1::internal::RegisterResponse* registration);
@@ -73,7 +82,7 @@ class RankWorker {
   std::atomic<bool> stop_{false};
   std::mutex transport_mu_;
   GrpcRankTransport* transport_ = nullptr;  // guarded by transport_mu_, for Stop()
-  RankCounters counters_;
+  RankStepObserver* observer_ = nullptr;
 };
 
 }  // namespace moe

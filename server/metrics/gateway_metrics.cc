@@ -1,0 +1,256 @@
+#include "server/metrics/gateway_metrics.h"
+
+#include <algorithm>
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+namespace {
+
+const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
+  static const prometheus::Histogram::BucketBoundaries b = {1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+                                                            1e-2, 2.5e-2, 5e-2, 0.1,  0.25,   0.5,
+                                                            1.0,  2.5,    5.0,  10.0, 30.0};
+  return b;
+}
+
+const prometheus::Histogram::BucketBoundaries& TokenBuckets() {
+  static const prometheus::Histogram::BucketBoundaries b = {1,   2,   4,   8,    16,   32,   64,
+                                                            128, 256, 512, 1024, 2048, 4096, 8192};
+  return b;
+}
+
+double MeanOverMax(const std::vector<int64_t>& v) {
+  if (v.empty()) return 1.0;
+  const int64_t max = *std::max_element(v.begin(), v.end());
+  if (max == 0) return 1.0;
+  double sum = 0;
+  for (int64_t x : v) sum += static_cast<double>(x);
+  return sum / static_cast<double>(v.size()) / static_cast<double>(max);
+}
+
+}  // namespace
+
+GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& layers,
+                               const ExpertPlacement& placement, const MetricsOptions& options)
+    : config_(config),
+      placement_(placement),
+      options_(options),
+      registry_(std::make_shared<prometheus::Registry>()) {
+  using prometheus::BuildCounter;
+  using prometheus::BuildGauge;
+  using prometheus::BuildHistogram;
+  requests_ = &BuildCounter()
+                   .Name("moe_requests_total")
+                   .Help("Forward requests by layer and gRPC status code")
+                   .Register(*registry_);
+  request_seconds_ = &BuildHistogram()
+                          .Name("moe_request_duration_seconds")
+                          .Help("Forward request latency inside the gateway, by layer")
+                          .Register(*registry_);
+  stage_seconds_ =
+      &BuildHistogram()
+           .Name("moe_forward_stage_duration_seconds")
+           .Help(
+               "Time per forward stage: queue (per request), route, dispatch, expert_compute "
+               "(ranks and exchange, overlapping the shared experts), combine, total (per step)")
+           .Register(*registry_);
+  step_tokens_ = &BuildHistogram()
+                      .Name("moe_step_tokens")
+                      .Help("Tokens per step, by layer")
+                      .Register(*registry_);
+  steps_ = &BuildCounter()
+                .Name("moe_steps_total")
+                .Help("Steps run, by layer and result")
+                .Register(*registry_);
+  rank_tokens_ =
+      &BuildCounter()
+           .Name("moe_rank_tokens_total")
+           .Help("Token rows dispatched to each rank (a token counts once per rank), by layer")
+           .Register(*registry_);
+  rank_active_experts_ = &BuildGauge()
+                              .Name("moe_rank_active_experts")
+                              .Help("Distinct local experts a rank used in the layer's last step")
+                              .Register(*registry_);
+  balancedness_ =
+      &BuildGauge()
+           .Name("moe_load_balancedness")
+           .Help(
+               "Mean over max of tokens per rank over the sliding window (1 = balanced), by layer")
+           .Register(*registry_);
+  expert_balancedness_ =
+      &BuildGauge()
+           .Name("moe_expert_balancedness")
+           .Help("Mean over max of tokens per expert over the sliding window, by layer")
+           .Register(*registry_);
+  expert_tokens_ = &BuildCounter()
+                        .Name("moe_expert_tokens_total")
+                        .Help("Token assignments per expert (opt-in: --per-expert-metrics)")
+                        .Register(*registry_);
+  rank_up_ = &BuildGauge()
+                  .Name("moe_rank_up")
+                  .Help("1 while the rank's exchange is connected")
+                  .Register(*registry_);
+  rank_weight_bytes_ =
+      &BuildGauge()
+           .Name("moe_rank_weight_bytes")
+           .Help("Routed-expert weight bytes resident on each rank (all served layers)")
+           .Register(*registry_);
+  sent_bytes_ = &BuildCounter()
+                     .Name("moe_transport_sent_bytes_total")
+                     .Help("Bytes of expert-input rows sent to each rank")
+                     .Register(*registry_);
+  received_bytes_ = &BuildCounter()
+                         .Name("moe_transport_received_bytes_total")
+                         .Help("Bytes of partial sums received from each rank")
+                         .Register(*registry_);
+  info_ =
+      &BuildGauge().Name("moe_model_info").Help("The served model (value 1)").Register(*registry_);
+  info_
+      ->Add({{"family", ModelFamilyName(config.family)},
+             {"model_type", config.model_type},
+             {"experts", L(config.routing.num_experts)},
+             {"top_k", L(config.routing.top_k)},
+             {"expert_format", WeightFormatName(config.expert_format)}})
+      .Set(1);
+  // Create the series up front so dashboards and alerts see zeros, not absences.
+  for (int r = 0; r < placement.num_ranks(); ++r) {
+    rank_up_->Add({{"rank", L(r)}}).Set(0);
+    sent_bytes_->Add({{"rank", L(r)}});
+    received_bytes_->Add({{"rank", L(r)}});
+  }
+  for (int layer : layers) {
+    windows_[layer];
+    balancedness_->Add({{"layer", L(layer)}}).Set(1);
+    expert_balancedness_->Add({{"layer", L(layer)}}).Set(1);
+    for (int r = 0; r < placement.num_ranks(); ++r)
+      rank_tokens_->Add({{"rank", L(r)}, {"layer", L(layer)}});
+  }
+}
+
+GatewayMetrics::~GatewayMetrics() = default;
+
+absl::Status GatewayMetrics::Serve(const std::string& address) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address, 2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  const auto ports = exposer_->GetListeningPorts();
+  port_ = ports.empty() ? 0 : ports.front();
+  return absl::OkStatus();
+}
+
+void GatewayMetrics::SetScoreSink(
+    std::function<void(int, const std::vector<float>&, int64_t)> sink) {
+  std::lock_guard<std::mutex> lock(mu_);
+  score_sink_ = std::move(sink);
+}
+
+bool GatewayMetrics::WantsRouterScores() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<bool>(score_sink_);
+}
+
+void GatewayMetrics::OnRequest(int layer, int grpc_code, absl::Duration latency,
+                               absl::Duration queue) {
+  requests_->Add({{"layer", L(layer)}, {"code", L(grpc_code)}}).Increment();
+  if (grpc_code == 0) {
+    request_seconds_->Add({{"layer", L(layer)}}, LatencyBuckets())
+        .Observe(absl::ToDoubleSeconds(latency));
+    stage_seconds_->Add({{"layer", L(layer)}, {"stage", "queue"}}, LatencyBuckets())
+        .Observe(absl::ToDoubleSeconds(queue));
+  }
+}
+
+void GatewayMetrics::OnRankState(int rank, bool up) {
+  rank_up_->Add({{"rank", L(rank)}}).Set(up ? 1 : 0);
+}
+
+void GatewayMetrics::SetRankWeightBytes(int rank, int64_t bytes) {
+  rank_weight_bytes_->Add({{"rank", L(rank)}}).Set(static_cast<double>(bytes));
+}
+
+void GatewayMetrics::OnStep(const StepStats& s) {
+  const std::string layer = L(s.layer);
+  steps_->Add({{"layer", layer}, {"result", s.ok ? "ok" : "error"}}).Increment();
+  if (!s.ok) return;
+  auto stage = [&](const char* name, absl::Duration d) {
+    stage_seconds_->Add({{"layer", layer}, {"stage", name}}, LatencyBuckets())
+        .Observe(absl::ToDoubleSeconds(d));
+  };
+  stage("route", s.route);
+  stage("dispatch", s.dispatch);
+  stage("expert_compute", s.expert_compute);
+  stage("combine", s.combine);
+  stage("total", s.total);
+  step_tokens_->Add({{"layer", layer}}, TokenBuckets()).Observe(static_cast<double>(s.tokens));
+  const int R = static_cast<int>(s.rank_rows.size());
+  for (int r = 0; r < R; ++r) {
+    const std::string rank = L(r);
+    if (s.rank_rows[r] > 0)
+      rank_tokens_->Add({{"rank", rank}, {"layer", layer}}).Increment(s.rank_rows[r]);
+    rank_active_experts_->Add({{"rank", rank}, {"layer", layer}}).Set(s.rank_active_experts[r]);
+    if (s.rank_bytes_sent[r] > 0)
+      sent_bytes_->Add({{"rank", rank}}).Increment(s.rank_bytes_sent[r]);
+    if (s.rank_bytes_received[r] > 0)
+      received_bytes_->Add({{"rank", rank}}).Increment(s.rank_bytes_received[r]);
+  }
+  std::vector<int64_t> experts(config_.routing.num_experts, 0);
+  if (s.routing != nullptr)
+    for (int32_t e : s.routing->ids) experts[e]++;
+  if (options_.per_expert) {
+    for (int e = 0; e < config_.routing.num_experts; ++e)
+      if (experts[e] > 0)
+        expert_tokens_->Add({{"layer", layer}, {"expert", L(e)}}).Increment(experts[e]);
+  }
+
+  std::function<void(int, const std::vector<float>&, int64_t)> sink;
+  double rank_balance, expert_balance;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    LayerWindow& w = windows_[s.layer];
+    if (w.rank_sum.empty()) w.rank_sum.assign(R, 0);
+    if (w.expert_sum.empty()) w.expert_sum.assign(experts.size(), 0);
+    w.rank_steps.push_back(s.rank_rows);
+    w.expert_steps.push_back(experts);
+    w.step_tokens.push_back(s.tokens);
+    for (int r = 0; r < R; ++r) w.rank_sum[r] += s.rank_rows[r];
+    for (size_t e = 0; e < experts.size(); ++e) w.expert_sum[e] += experts[e];
+    w.token_sum += s.tokens;
+    while (static_cast<int>(w.rank_steps.size()) > options_.window_steps) {
+      for (int r = 0; r < R; ++r) w.rank_sum[r] -= w.rank_steps.front()[r];
+      for (size_t e = 0; e < experts.size(); ++e) w.expert_sum[e] -= w.expert_steps.front()[e];
+      w.token_sum -= w.step_tokens.front();
+      w.rank_steps.pop_front();
+      w.expert_steps.pop_front();
+      w.step_tokens.pop_front();
+    }
+    rank_balance = MeanOverMax(w.rank_sum);
+    expert_balance = MeanOverMax(w.expert_sum);
+    sink = score_sink_;
+  }
+  balancedness_->Add({{"layer", layer}}).Set(rank_balance);
+  expert_balancedness_->Add({{"layer", layer}}).Set(expert_balance);
+  if (sink && s.router_scores != nullptr) sink(s.layer, *s.router_scores, s.tokens);
+}
+
+LayerLoad GatewayMetrics::Load(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  LayerLoad out;
+  auto it = windows_.find(layer);
+  if (it == windows_.end()) return out;
+  const LayerWindow& w = it->second;
+  out.steps = static_cast<int64_t>(w.rank_steps.size());
+  out.tokens = w.token_sum;
+  out.rank_tokens = w.rank_sum;
+  out.expert_tokens = w.expert_sum;
+  out.rank_balancedness = MeanOverMax(w.rank_sum);
+  out.expert_balancedness = MeanOverMax(w.expert_sum);
+  return out;
+}
+
+}  // namespace moe

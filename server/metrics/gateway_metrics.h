@@ -1,0 +1,103 @@
+// Prometheus metrics of the gateway: one object owns the registry and builds every family
+// once (Triton style); the engine reports steps to it as a StepObserver.
+//
+// Names follow Prometheus conventions: `moe_` prefix, base units (seconds, bytes), counters
+// end in `_total`. Per-expert series (E x layers of them: 896 x 92 for Kimi K3) are opt-in.
+#pragma once
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "model/dispatch.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "server/gateway/gateway_engine.h"
+
+namespace moe {
+
+struct MetricsOptions {
+  bool per_expert = false;  // moe_expert_tokens_total{layer, expert} and per-expert QB biases
+  int window_steps = 256;   // sliding window of the balancedness gauges
+};
+
+// Token counts of one layer over the sliding window.
+struct LayerLoad {
+  int64_t steps = 0;
+  int64_t tokens = 0;
+  std::vector<int64_t> rank_tokens;    // token rows received per rank
+  std::vector<int64_t> expert_tokens;  // token assignments per expert
+  double rank_balancedness = 1.0;      // mean / max over ranks
+  double expert_balancedness = 1.0;    // mean / max over experts
+};
+
+class GatewayMetrics final : public StepObserver {
+ public:
+  GatewayMetrics(const MoeConfig& config, const std::vector<int>& layers,
+                 const ExpertPlacement& placement, const MetricsOptions& options);
+  ~GatewayMetrics() override;
+
+  // Serves /metrics on `address` ("0.0.0.0:9400"); port 0 picks a free one (see port()).
+  absl::Status Serve(const std::string& address);
+  int port() const { return port_; }
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  void OnStep(const StepStats& stats) override;
+  bool WantsRouterScores() const override;
+  void OnRequest(int layer, int grpc_code, absl::Duration latency, absl::Duration queue);
+  void OnRankState(int rank, bool up);
+  void SetRankWeightBytes(int rank, int64_t bytes);
+
+  LayerLoad Load(int layer) const;
+
+  // Optional consumer of every step's router scores (Quantile Balancing windows).
+  void SetScoreSink(
+      std::function<void(int layer, const std::vector<float>& scores, int64_t tokens)> sink);
+
+ private:
+  struct LayerWindow {
+    std::deque<std::vector<int64_t>> rank_steps;    // per step, per rank
+    std::deque<std::vector<int64_t>> expert_steps;  // per step, per expert
+    std::deque<int64_t> step_tokens;
+    std::vector<int64_t> rank_sum, expert_sum;
+    int64_t token_sum = 0;
+  };
+  static std::string L(int v) { return std::to_string(v); }
+
+  MoeConfig config_;
+  ExpertPlacement placement_;
+  MetricsOptions options_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Histogram>* stage_seconds_;
+  prometheus::Family<prometheus::Histogram>* request_seconds_;
+  prometheus::Family<prometheus::Histogram>* step_tokens_;
+  prometheus::Family<prometheus::Counter>* steps_;
+  prometheus::Family<prometheus::Counter>* rank_tokens_;
+  prometheus::Family<prometheus::Gauge>* rank_active_experts_;
+  prometheus::Family<prometheus::Gauge>* balancedness_;
+  prometheus::Family<prometheus::Gauge>* expert_balancedness_;
+  prometheus::Family<prometheus::Counter>* expert_tokens_;
+  prometheus::Family<prometheus::Gauge>* rank_up_;
+  prometheus::Family<prometheus::Gauge>* rank_weight_bytes_;
+  prometheus::Family<prometheus::Counter>* sent_bytes_;
+  prometheus::Family<prometheus::Counter>* received_bytes_;
+  prometheus::Family<prometheus::Gauge>* info_;
+
+  mutable std::mutex mu_;
+  std::map<int, LayerWindow> windows_;
+  std::function<void(int, const std::vector<float>&, int64_t)> score_sink_;
+};
+
+}  // namespace moe

@@ -1,0 +1,84 @@
+#include "server/metrics/rank_metrics.h"
+
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+RankMetrics::RankMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  using prometheus::BuildCounter;
+  using prometheus::BuildGauge;
+  using prometheus::BuildHistogram;
+  steps_ = &BuildCounter()
+                .Name("moe_rank_steps_total")
+                .Help("Steps this rank computed, by layer")
+                .Register(*registry_);
+  rows_ = &BuildCounter()
+               .Name("moe_rank_received_tokens_total")
+               .Help("Token rows this rank received, by layer")
+               .Register(*registry_);
+  compute_seconds_ = &BuildHistogram()
+                          .Name("moe_rank_compute_duration_seconds")
+                          .Help("Grouped expert computation time per step, by layer")
+                          .Register(*registry_);
+  active_experts_ = &BuildGauge()
+                         .Name("moe_rank_step_active_experts")
+                         .Help("Distinct local experts used in the layer's last step")
+                         .Register(*registry_);
+  weight_bytes_ = &BuildGauge()
+                       .Name("moe_rank_weight_bytes")
+                       .Help("Routed-expert weight bytes resident")
+                       .Register(*registry_);
+  received_bytes_ = &BuildCounter()
+                         .Name("moe_transport_received_bytes_total")
+                         .Help("Bytes of expert-input rows received from the gateway")
+                         .Register(*registry_);
+  sent_bytes_ = &BuildCounter()
+                     .Name("moe_transport_sent_bytes_total")
+                     .Help("Bytes of partial sums sent to the gateway")
+                     .Register(*registry_);
+  rank_id_ = &BuildGauge()
+                  .Name("moe_rank_id")
+                  .Help("This process's rank id (-1 before registering)")
+                  .Register(*registry_);
+  rank_id_->Add({}).Set(-1);
+  weight_bytes_->Add({}).Set(0);
+  received_bytes_->Add({});
+  sent_bytes_->Add({});
+}
+
+RankMetrics::~RankMetrics() = default;
+
+absl::Status RankMetrics::Serve(const std::string& address) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address, 1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  const auto ports = exposer_->GetListeningPorts();
+  port_ = ports.empty() ? 0 : ports.front();
+  return absl::OkStatus();
+}
+
+void RankMetrics::OnRegistered(int rank, int64_t weight_bytes) {
+  rank_id_->Add({}).Set(rank);
+  weight_bytes_->Add({}).Set(static_cast<double>(weight_bytes));
+}
+
+void RankMetrics::OnRankStep(const RankStepReport& r) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+      5e-2, 0.1,    0.25, 0.5,  1.0,    2.5,  5.0,  10.0};
+  const prometheus::Labels layer = {{"layer", std::to_string(r.layer)}};
+  steps_->Add(layer).Increment();
+  rows_->Add(layer).Increment(static_cast<double>(r.rows));
+  compute_seconds_->Add(layer, kBuckets).Observe(absl::ToDoubleSeconds(r.compute));
+  active_experts_->Add(layer).Set(r.active_experts);
+  received_bytes_->Add({}).Increment(static_cast<double>(r.bytes_received));
+  sent_bytes_->Add({}).Increment(static_cast<double>(r.bytes_sent));
+}
+
+}  // namespace moe
