@@ -271,7 +271,8 @@ absl::StatusOr<moe::v1::ForwardResponse> ForwardStreamSession::ReceiveRaw(
     return absl::InvalidArgumentError(
         absl::StrCat("no request '", request_id, "' in flight on this stream"));
   auto ready = [&] { return ended_ || arrived_.count(request_id) != 0; };
-  if (timeout == absl::InfiniteDuration()) {
+  // Beyond a year counts as forever: wait_for(nanoseconds::max()) would overflow the clock.
+  if (timeout >= absl::Hours(24 * 365)) {
     cv_.wait(lock, ready);
   } else if (!cv_.wait_for(lock, absl::ToChronoNanoseconds(std::max(timeout, absl::ZeroDuration())),
                            ready)) {
@@ -299,6 +300,11 @@ absl::StatusOr<ForwardResult> ForwardStreamSession::Receive(const std::string& r
                                                             absl::Duration timeout) {
   ASSIGN_OR_RETURN(moe::v1::ForwardResponse response, ReceiveRaw(request_id, timeout));
   return DecodeForwardResponse(response);
+}
+
+bool ForwardStreamSession::ended() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ended_;
 }
 
 absl::Status ForwardStreamSession::Finish() {

@@ -159,6 +159,9 @@ class ForwardStreamSession {
   // that arrived before the end can still be received.
   absl::Status Finish();
 
+  // True once the stream is over (finished, failed, cancelled): every later Send fails.
+  bool ended() const;
+
  private:
   friend class MoeClient;
   ForwardStreamSession(std::shared_ptr<grpc::Channel> channel, absl::Duration timeout,
@@ -177,7 +180,7 @@ class ForwardStreamSession {
   bool writes_done_ = false;
   uint64_t next_id_ = 0;
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::set<std::string> in_flight_;                          // sent, not yet received
   std::map<std::string, moe::v1::ForwardResponse> arrived_;  // answered, not yet received

@@ -482,6 +482,8 @@ int RunLoad(int argc, char** argv) {
       } else {
         tally.errors[status.code()]++;
         tally.first_message.emplace(status.code(), std::string(status.message()));
+        // A dead stream fails every later request at once: stop rather than spin.
+        if (session && session->ended()) stop = true;
       }
     }
     finished[index] = std::chrono::steady_clock::now();
