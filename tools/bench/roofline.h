@@ -1,0 +1,25 @@
+// The machine's own limits, measured in the same run as a benchmark: streaming read bandwidth
+// and the best GEMM throughput available (oneDNN when built with it, else our own kernels).
+#pragma once
+
+#include <string>
+
+namespace moe::bench {
+
+struct Roofline {
+  double read_gbps = 0;     // multi-threaded streaming read over a buffer >> caches
+  double bf16_gflops = 0;   // bf16 x bf16 -> fp32 GEMM
+  double fp32_gflops = 0;   // fp32 GEMM
+  std::string gemm_source;  // "oneDNN 2.6 (avx512_core_bf16)", ...
+};
+
+// `threads`: worker threads for the bandwidth run (the GEMM library uses its own).
+Roofline MeasureRoofline(int threads, double buffer_gb = 2.0);
+
+// Streaming read of `bytes` bytes by `threads` threads, median GB/s of `repeats` passes.
+double MeasureReadBandwidth(int threads, size_t bytes, int repeats);
+
+// Best of a few large square GEMMs; 0 when the library is not available.
+double MeasureGemmGflops(bool bf16, std::string* source);
+
+}  // namespace moe::bench

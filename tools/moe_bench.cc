@@ -1,0 +1,261 @@
+// moe-bench: performance of the MoE layer next to this machine's roofline, measured in the
+// same run.
+//
+//   moe-bench roofline                      streaming read bandwidth and GEMM peaks
+//   moe-bench layer --checkpoint DIR        the layer at 1, 4, 16, 64, 256, 1024 tokens
+//
+// Figure of merit: time / max(bytes / read bandwidth, FLOPs / GEMM peak), where bytes are the
+// weights a step must read (distinct experts touched + router, projections, shared experts).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "core/flags.h"
+#include "core/status.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "model/checkpoint.h"
+#include "model/moe_layer.h"
+#include "tools/bench/roofline.h"
+
+namespace moe {
+namespace {
+
+struct LayerOptions {
+  std::string checkpoint, tokens = "1,4,16,64,256,1024", dtype = "bf16", json, plot, label, kernels;
+  int layer = -1, repeat = 5, threads = 0;
+  double max_seconds = 30;  // per token count, after the warm-up
+  double buffer_gb = 2.0;
+};
+
+struct Row {
+  int64_t tokens;
+  double median_ms, min_ms;
+  int runs;
+  int experts_touched;
+  double weight_bytes, flops, bw_ms, flop_ms, roofline_ms;
+};
+
+// Bytes every step reads whatever the routing, and FLOPs per token of the dense parts.
+struct DenseCost {
+  double bytes = 0;
+  double flops_per_token = 0;
+};
+
+DenseCost DenseParts(const GatewayLayerWeights& w, const MoeConfig& c) {
+  DenseCost d;
+  auto add = [&](const WeightMatrix& m) {
+    d.bytes += static_cast<double>(m.TotalBytes());
+    d.flops_per_token += 2.0 * static_cast<double>(m.rows) * static_cast<double>(m.cols);
+  };
+  add(w.router);
+  if (w.has_latent) {
+    add(w.latent_down);
+    add(w.latent_up);
+  }
+  if (w.has_shared) {
+    add(w.shared.gate);
+    add(w.shared.up);
+    add(w.shared.down);
+  }
+  (void)c;
+  return d;
+}
+
+absl::Status RunLayer(const LayerOptions& opt) {
+  const Precision precision = opt.dtype == "fp32" ? Precision::kFP32 : Precision::kBF16;
+  ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::Open(opt.checkpoint));
+  const MoeConfig& config = checkpoint->config();
+  const int layer = opt.layer >= 0 ? opt.layer : checkpoint->layers().front();
+  std::vector<int64_t> token_counts;
+  for (absl::string_view t : absl::StrSplit(opt.tokens, ',', absl::SkipEmpty())) {
+    int64_t v;
+    if (!absl::SimpleAtoi(t, &v) || v <= 0)
+      return absl::InvalidArgumentError(absl::StrCat("bad --tokens ", t));
+    token_counts.push_back(v);
+  }
+
+  CpuBackend backend(CpuBackendOptions{opt.threads, opt.kernels});
+  std::fprintf(stderr, "moe-bench: measuring the roofline (%.1f GB read buffer, GEMM)...\n",
+               opt.buffer_gb);
+  const bench::Roofline roof = bench::MeasureRoofline(backend.num_threads(), opt.buffer_gb);
+  const double peak = precision == Precision::kBF16 ? roof.bf16_gflops : roof.fp32_gflops;
+
+  std::fprintf(stderr, "moe-bench: loading layer %d of %s...\n", layer, opt.checkpoint.c_str());
+  const auto t_load = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(
+      auto local,
+      LocalMoeLayer::Load(*checkpoint, layer,
+                          ExpertPlacement::Contiguous(config.routing.num_experts, 1), &backend));
+  ASSIGN_OR_RETURN(GatewayLayerWeights gw, checkpoint->LoadGatewayLayer(layer));
+  const DenseCost dense = DenseParts(gw, config);
+  ASSIGN_OR_RETURN(ExpertShardWeights probe, checkpoint->LoadExperts(layer, {0}));
+  const double expert_bytes = static_cast<double>(probe.experts[0].TotalBytes());
+  const double expert_flops_per_assignment = 2.0 * 3.0 *
+                                             static_cast<double>(config.expert_hidden_size) *
+                                             static_cast<double>(config.expert_input_size());
+  const double load_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+
+  std::vector<Row> rows;
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t T : token_counts) {
+    std::vector<float> x(T * config.hidden_size), y(x.size());
+    for (float& v : x) v = normal(rng);
+    Routing routing;
+    RETURN_IF_ERROR(
+        local->Forward(x.data(), T, precision, y.data(), &routing));  // warm-up (and page-in)
+    std::vector<double> ms;
+    double spent = 0;
+    while (static_cast<int>(ms.size()) < opt.repeat && (ms.size() < 3 || spent < opt.max_seconds)) {
+      const auto t0 = std::chrono::steady_clock::now();
+      RETURN_IF_ERROR(local->Forward(x.data(), T, precision, y.data()));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      ms.push_back(1e3 * s);
+      spent += s;
+    }
+    std::sort(ms.begin(), ms.end());
+    Row r;
+    r.tokens = T;
+    r.median_ms = ms[ms.size() / 2];
+    r.min_ms = ms.front();
+    r.runs = static_cast<int>(ms.size());
+    r.experts_touched =
+        static_cast<int>(std::set<int32_t>(routing.ids.begin(), routing.ids.end()).size());
+    r.weight_bytes = dense.bytes + r.experts_touched * expert_bytes;
+    r.flops = static_cast<double>(T) * dense.flops_per_token +
+              static_cast<double>(routing.ids.size()) * expert_flops_per_assignment;
+    r.bw_ms = 1e3 * r.weight_bytes / (roof.read_gbps * 1e9);
+    r.flop_ms = peak > 0 ? 1e3 * r.flops / (peak * 1e9) : 0;
+    r.roofline_ms = std::max(r.bw_ms, r.flop_ms);
+    rows.push_back(r);
+    std::fprintf(stderr, "  %5lld tokens: %.2f ms (median of %d)\n", static_cast<long long>(T),
+                 r.median_ms, r.runs);
+  }
+
+  const std::string name =
+      opt.label.empty() ? absl::StrCat(config.model_type, " layer ", layer) : opt.label;
+  std::printf("moe-bench layer: %s (%d experts, top-%d, experts %s), %s, %s, load %.1f s\n",
+              name.c_str(), config.routing.num_experts, config.routing.top_k,
+              WeightFormatName(config.expert_format), opt.dtype.c_str(), backend.name().c_str(),
+              load_s);
+  std::printf("machine: streaming read %.1f GB/s; GEMM %.0f GFLOP/s bf16, %.0f GFLOP/s fp32 (%s)\n",
+              roof.read_gbps, roof.bf16_gflops, roof.fp32_gflops, roof.gemm_source.c_str());
+  std::printf("%7s %10s %10s %8s %10s %9s %10s %10s %11s %9s\n", "tokens", "median ms", "tokens/s",
+              "experts", "weights GB", "GFLOP", "bw ms", "flop ms", "roofline ms", "x roof");
+  for (const Row& r : rows)
+    std::printf("%7lld %10.2f %10.0f %8d %10.3f %9.2f %10.2f %10.2f %11.2f %9.2f\n",
+                static_cast<long long>(r.tokens), r.median_ms, r.tokens / (r.median_ms / 1e3),
+                r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.bw_ms, r.flop_ms,
+                r.roofline_ms, r.median_ms / r.roofline_ms);
+
+  if (!opt.json.empty()) {
+    std::ofstream out(opt.json);
+    out << absl::StrFormat(
+        "{\"model\": \"%s\", \"experts\": %d, \"top_k\": %d, \"expert_format\": \"%s\", \"dtype\": "
+        "\"%s\", "
+        "\"backend\": \"%s\", \"read_gbps\": %.3f, \"bf16_gflops\": %.3f, \"fp32_gflops\": %.3f, "
+        "\"gemm\": \"%s\", \"rows\": [",
+        name, config.routing.num_experts, config.routing.top_k,
+        WeightFormatName(config.expert_format), opt.dtype, backend.name(), roof.read_gbps,
+        roof.bf16_gflops, roof.fp32_gflops, roof.gemm_source);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      out << absl::StrFormat(
+          "%s{\"tokens\": %d, \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": %d, "
+          "\"experts_touched\": %d, "
+          "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
+          "\"roofline_ms\": %.4f, "
+          "\"x_roofline\": %.4f}",
+          i ? ", " : "", r.tokens, r.median_ms, r.min_ms, r.runs, r.experts_touched, r.weight_bytes,
+          r.flops, r.bw_ms, r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms);
+    }
+    out << "]}\n";
+  }
+  if (!opt.plot.empty()) {
+    const std::string data = opt.plot + ".dat", script = opt.plot + ".gp";
+    {
+      std::ofstream d(data);
+      for (const Row& r : rows)
+        d << r.tokens << " " << r.median_ms << " " << r.roofline_ms << " " << r.bw_ms << " "
+          << r.flop_ms << "\n";
+    }
+    std::ofstream g(script);
+    g << "set terminal pngcairo size 900,560 font ',11'\n"
+      << "set output '" << opt.plot << "'\n"
+      << "set title '" << name << ": time vs roofline (" << backend.name() << ")'\n"
+      << "set logscale xy\nset xlabel 'tokens per step'\nset ylabel 'ms'\nset grid\nset key top "
+         "left\n"
+      << "plot '" << data << "' u 1:2 w lp lw 2 pt 7 t 'measured (median)', "
+      << "'" << data << "' u 1:3 w l lw 2 dt 2 t 'roofline max(bytes/BW, FLOPs/peak)', "
+      << "'" << data << "' u 1:4 w l lw 1 dt 3 t 'weights / read BW', "
+      << "'" << data << "' u 1:5 w l lw 1 dt 4 t 'FLOPs / GEMM peak'\n";
+    g.close();
+    if (std::system(absl::StrCat("gnuplot ", script).c_str()) != 0)
+      std::fprintf(stderr, "moe-bench: gnuplot failed; data in %s\n", data.c_str());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  const std::string command = argc > 1 ? argv[1] : "";
+  if (command == "roofline") {
+    int threads = 0;
+    double gb = 2.0;
+    moe::Flags flags("usage: moe-bench roofline [--threads N] [--buffer-gb G]");
+    flags.Int("threads", &threads, "threads for the bandwidth run (0 = all)");
+    flags.Double("buffer-gb", &gb, "read buffer size");
+    flags.ParseOrExit(argc, argv, 2);
+    moe::ThreadPool probe(threads);
+    const auto r = moe::bench::MeasureRoofline(probe.num_threads(), gb);
+    std::printf(
+        "streaming read: %.1f GB/s (%d threads)\nGEMM bf16: %.0f GFLOP/s\nGEMM fp32: %.0f "
+        "GFLOP/s\n(%s)\n",
+        r.read_gbps, probe.num_threads(), r.bf16_gflops, r.fp32_gflops, r.gemm_source.c_str());
+    return 0;
+  }
+  if (command != "layer") {
+    std::fprintf(
+        stderr,
+        "usage: moe-bench layer --checkpoint DIR [flags]   the layer next to the roofline\n"
+        "       moe-bench roofline                       the machine's limits\n");
+    return command == "--help" ? 0 : 2;
+  }
+  moe::LayerOptions opt;
+  moe::Flags flags(
+      "usage: moe-bench layer --checkpoint DIR [--tokens 1,4,16,64,256,1024] [--json F] [--plot "
+      "F.png]");
+  flags.String("checkpoint", &opt.checkpoint, "checkpoint directory");
+  flags.Int("layer", &opt.layer, "MoE layer (default: the first)");
+  flags.String("tokens", &opt.tokens, "token counts, comma separated");
+  flags.Int("repeat", &opt.repeat, "timed runs per token count (median reported)");
+  flags.Double("max-seconds", &opt.max_seconds,
+               "stop repeating a token count after this long (>= 3 runs)");
+  flags.Int("threads", &opt.threads, "CPU threads (0 = all)");
+  flags.String("dtype", &opt.dtype, "bf16 or fp32");
+  flags.String("kernels", &opt.kernels, "CPU kernels: best (default) or portable");
+  flags.String("json", &opt.json, "also write the results as JSON to this file");
+  flags.String("plot", &opt.plot,
+               "also plot time and roofline against tokens to this PNG (gnuplot)");
+  flags.String("label", &opt.label, "name of the run in the output");
+  flags.Double("buffer-gb", &opt.buffer_gb, "bandwidth buffer size (much larger than the caches)");
+  flags.Require("checkpoint");
+  flags.ParseOrExit(argc, argv, 2);
+  if (absl::Status s = moe::RunLayer(opt); !s.ok()) {
+    std::fprintf(stderr, "moe-bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
