@@ -68,22 +68,7 @@ absl::Status CheckDeviceWeight(absl::string_view op, const WeightMatrix& w) {
   return w.Validate();
 }
 
-// Restores the calling thread's current device on scope exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) status_ = cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
+using DeviceGuard = cuda::ScopedDevice;
 
 class CudaDeviceBuffer final : public DeviceBuffer {
  public:

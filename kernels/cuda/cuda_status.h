@@ -22,6 +22,26 @@ absl::Status CudaStatus(cudaError_t err, const char* expr, const char* file, int
 absl::Status CublasStatus(cublasStatus_t err, const char* expr, const char* file, int line);
 const char* CublasStatusName(cublasStatus_t err);
 
+// Makes `device` the calling thread's current device for the scope and restores the previous
+// one on exit (ops may be called from threads that work on other devices).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) status_ = cudaSetDevice(device);
+  }
+  ~ScopedDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
 }  // namespace moe::cuda
 
 #define CUDA_RETURN_IF_ERROR(expr)                                              \
