@@ -206,6 +206,75 @@ absl::Status RunLayer(const LayerOptions& opt) {
   return absl::OkStatus();
 }
 
+// Single-kernel throughput: y = x W^T for one weight matrix in each format, weights resident
+// in cache (compute bound) or streamed from memory (a set of matrices much larger than L3).
+absl::Status RunKernels(int64_t rows, int64_t cols, const std::string& m_list, int threads,
+                        bool stream) {
+  std::vector<int64_t> ms;
+  for (absl::string_view t : absl::StrSplit(m_list, ',', absl::SkipEmpty())) {
+    int64_t v;
+    if (!absl::SimpleAtoi(t, &v) || v <= 0)
+      return absl::InvalidArgumentError(absl::StrCat("bad --m ", t));
+    ms.push_back(v);
+  }
+  CpuBackend backend(CpuBackendOptions{threads, ""});
+  std::mt19937 rng(7);
+  std::printf("kernel throughput, %s, W [%lld, %lld], weights %s\n", backend.name().c_str(),
+              static_cast<long long>(rows), static_cast<long long>(cols),
+              stream ? "streamed from memory" : "in cache");
+  std::printf("%6s %3s %10s %12s %12s\n", "format", "M", "us/matrix", "weight GB/s", "GFLOP/s");
+  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP4, WeightFormat::kFP8Block128}) {
+    WeightMatrix proto;
+    proto.format = f;
+    proto.rows = rows;
+    proto.cols = cols;
+    const int64_t data_bytes = proto.DataBytes(), scale_bytes = proto.ScaleBytes();
+    const int copies = stream ? static_cast<int>(std::max<int64_t>(
+                                    1, (int64_t{1} << 30) / (data_bytes + scale_bytes)))
+                              : 1;
+    std::vector<std::vector<uint8_t>> data(copies), scales(copies);
+    std::vector<WeightMatrix> mats;
+    for (int c = 0; c < copies; ++c) {
+      data[c].resize(data_bytes);
+      scales[c].resize(scale_bytes);
+      for (auto& b : data[c]) b = static_cast<uint8_t>(rng() & 0x77);  // finite in every format
+      if (f == WeightFormat::kMXFP4) {
+        for (auto& b : scales[c]) b = 120;
+      } else if (f == WeightFormat::kFP8Block128) {
+        float* s = reinterpret_cast<float*>(scales[c].data());
+        for (int64_t i = 0; i < scale_bytes / 4; ++i) s[i] = 0.01f;
+      }
+      WeightMatrix w = proto;
+      w.data = data[c].data();
+      w.scales = scales[c].data();
+      ASSIGN_OR_RETURN(w, backend.PrepareWeight(w));
+      mats.push_back(w);
+    }
+    for (int64_t m : ms) {
+      std::vector<float> x(m * cols), y(m * rows);
+      for (float& v : x) v = RoundToBf16(static_cast<float>(rng() % 1000) / 500.0f - 1.0f);
+      const ConstMatrixView xv(x.data(), m, cols, cols);
+      const MatrixView yv(y.data(), m, rows, rows);
+      RETURN_IF_ERROR(backend.Linear(xv, mats[0], yv, Precision::kBF16));
+      std::vector<double> us;
+      for (int rep = 0; rep < 5; ++rep) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (const WeightMatrix& w : mats)
+          RETURN_IF_ERROR(backend.Linear(xv, w, yv, Precision::kBF16));
+        us.push_back(1e6 *
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+                     copies);
+      }
+      std::sort(us.begin(), us.end());
+      const double t = us[us.size() / 2];
+      std::printf("%6s %3lld %10.1f %12.2f %12.1f\n", WeightFormatName(f),
+                  static_cast<long long>(m), t, (data_bytes + scale_bytes) / t / 1e3,
+                  2.0 * m * rows * cols / t / 1e3);
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -224,6 +293,24 @@ int main(int argc, char** argv) {
         "streaming read: %.1f GB/s (%d threads)\nGEMM bf16: %.0f GFLOP/s\nGEMM fp32: %.0f "
         "GFLOP/s\n(%s)\n",
         r.read_gbps, probe.num_threads(), r.bf16_gflops, r.fp32_gflops, r.gemm_source.c_str());
+    return 0;
+  }
+  if (command == "kernels") {
+    int64_t rows = 3072, cols = 3584;
+    std::string m = "1,2,4,8,16,64";
+    int threads = 0;
+    bool stream = false;
+    moe::Flags flags("usage: moe-bench kernels [--rows R] [--cols K] [--m 1,4,16] [--stream]");
+    flags.Int("rows", &rows, "weight rows (output features)");
+    flags.Int("cols", &cols, "weight columns (input features)");
+    flags.String("m", &m, "operand rows (tokens), comma separated");
+    flags.Int("threads", &threads, "threads (0 = all)");
+    flags.Bool("stream", &stream, "stream weights from memory (1 GB of matrices) instead of cache");
+    flags.ParseOrExit(argc, argv, 2);
+    if (absl::Status s = moe::RunKernels(rows, cols, m, threads, stream); !s.ok()) {
+      std::fprintf(stderr, "moe-bench: %s\n", s.ToString().c_str());
+      return 1;
+    }
     return 0;
   }
   if (command != "layer") {

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "kernels/cpu/canonical.h"
@@ -32,32 +33,45 @@ inline float ReduceTree(__m512 v) {
 alignas(64) const uint16_t kE2m1Bf16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
                                             0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
                                             0xC000, 0xC040, 0xC080, 0xC0C0};
-// bf16 bits of the FP8 E4M3 subnormals m * 2^-9, m = 0..7.
-alignas(64) const uint16_t kFp8SubnormalBf16[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
-                                                    0x3C00, 0x3C20, 0x3C40, 0x3C60};
-
 // MXFP4 row -> bf16 bits in canonical order ([even, odd] per 64-element unit).
 void DecodeMxfp4RowBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, uint16_t* out) {
   const __m512i lut = _mm512_load_si512(kE2m1Bf16);
   const __m512i low_nibble = _mm512_set1_epi16(0x000F);
   const __m512i magnitude_bits = _mm512_set1_epi16(0x0007);
   const int64_t units = cols / 64;
-  for (int64_t u = 0; u < units; ++u) {
-    const __m512i bytes =
-        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * u)));
-    const __m512i lo = _mm512_and_si512(bytes, low_nibble);
-    const __m512i hi = _mm512_srli_epi16(bytes, 4);
-    __m512i even = _mm512_permutexvar_epi16(lo, lut);
-    __m512i odd = _mm512_permutexvar_epi16(hi, lut);
-    // Scale 2^(s-127) by adding (s-127) to the exponent field of non-zero values; words
-    // 0..15 hold block 2u, words 16..31 block 2u+1 (PrepareWeight checked s in [2, 252]).
-    const __m512i scale = _mm512_mask_blend_epi16(
-        0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>((scales[2 * u] - 127) << 7)),
-        _mm512_set1_epi16(static_cast<int16_t>((scales[2 * u + 1] - 127) << 7)));
-    even = _mm512_mask_add_epi16(even, _mm512_test_epi16_mask(lo, magnitude_bits), even, scale);
-    odd = _mm512_mask_add_epi16(odd, _mm512_test_epi16_mask(hi, magnitude_bits), odd, scale);
-    _mm512_storeu_si512(out + 64 * u, even);
-    _mm512_storeu_si512(out + 64 * u + 32, odd);
+  // Per-block exponent offsets (s - 127) << 7 of 16 units (32 blocks) at a time; unit j of a
+  // group takes words [2j x16, 2j+1 x16] of them with one vpermw.
+  alignas(64) static const auto kScaleIndex = [] {
+    std::array<std::array<uint16_t, 32>, 16> idx{};
+    for (int j = 0; j < 16; ++j)
+      for (int w = 0; w < 32; ++w) idx[j][w] = static_cast<uint16_t>(2 * j + (w >= 16));
+    return idx;
+  }();
+  for (int64_t u0 = 0; u0 < units; u0 += 16) {
+    const int64_t group = std::min<int64_t>(16, units - u0);
+    const __mmask32 scale_mask =
+        group == 16 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (2 * group)) - 1);
+    const __m512i offsets = _mm512_slli_epi16(
+        _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(scale_mask, scales + 2 * u0)),
+                         _mm512_set1_epi16(127)),
+        7);
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t u = u0 + j;
+      const __m512i bytes = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * u)));
+      const __m512i lo = _mm512_and_si512(bytes, low_nibble);
+      const __m512i hi = _mm512_srli_epi16(bytes, 4);
+      __m512i even = _mm512_permutexvar_epi16(lo, lut);
+      __m512i odd = _mm512_permutexvar_epi16(hi, lut);
+      // Scale 2^(s-127) by adding (s-127) to the exponent field of non-zero values; words
+      // 0..15 hold block 2u, words 16..31 block 2u+1 (PrepareWeight checked s in [2, 252]).
+      const __m512i scale =
+          _mm512_permutexvar_epi16(_mm512_load_si512(kScaleIndex[j].data()), offsets);
+      even = _mm512_mask_add_epi16(even, _mm512_test_epi16_mask(lo, magnitude_bits), even, scale);
+      odd = _mm512_mask_add_epi16(odd, _mm512_test_epi16_mask(hi, magnitude_bits), odd, scale);
+      _mm512_storeu_si512(out + 64 * u, even);
+      _mm512_storeu_si512(out + 64 * u + 32, odd);
+    }
   }
   if (cols % 64) {  // a trailing 32-element block: its 16 bytes decode like half a unit
     alignas(64) uint8_t tail_bytes[32] = {};
@@ -72,22 +86,46 @@ void DecodeMxfp4RowBf16(const uint8_t* packed, const uint8_t* scales, int64_t co
   }
 }
 
-// FP8 E4M3 bytes (32 of them) -> exact bf16 bits.
-inline __m512i Fp8ToBf16(__m256i v8) {
-  const __m512i v = _mm512_cvtepu8_epi16(v8);
-  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
-  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
-  // Normal: exponent + (127 - 7), mantissa bits shifted from 3 to 7 wide.
-  __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
-  const __mmask32 subnormal = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78));
-  bits = _mm512_mask_permutexvar_epi16(bits, subnormal, magnitude,
-                                       _mm512_load_si512(kFp8SubnormalBf16));
-  const __mmask32 nan = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F));
-  bits = _mm512_mask_mov_epi16(bits, nan, _mm512_set1_epi16(0x7FC0));
-  return _mm512_or_si512(bits, sign);
-}
+// FP8 E4M3 -> exact bf16 bits by table: the 7-bit magnitude indexes 128 bf16 patterns
+// (subnormals and NaN included) held in four registers; the sign bit is moved to bit 15.
+class Fp8Decoder {
+ public:
+  Fp8Decoder() {
+    const uint16_t* t = Table();
+    t0_ = _mm512_load_si512(t);
+    t1_ = _mm512_load_si512(t + 32);
+    t2_ = _mm512_load_si512(t + 64);
+    t3_ = _mm512_load_si512(t + 96);
+  }
+  // 32 FP8 bytes -> 32 bf16 values.
+  __m512i operator()(__m256i bytes) const {
+    const __m512i v = _mm512_cvtepu8_epi16(bytes);
+    const __m512i low =
+        _mm512_permutex2var_epi16(t0_, v, t1_);  // magnitudes 0..63 (index bits 0..5)
+    const __m512i high = _mm512_permutex2var_epi16(t2_, v, t3_);  // magnitudes 64..127
+    const __m512i magnitude =
+        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(v, _mm512_set1_epi16(0x40)), low, high);
+    // magnitude | ((v << 8) & 0x8000)
+    return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(v, 8),
+                                     _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
+  }
+
+ private:
+  static const uint16_t* Table() {
+    alignas(64) static uint16_t table[128];
+    static const bool filled = [] {
+      for (int m = 0; m < 128; ++m)
+        table[m] = FloatToBf16Bits(Fp8E4m3ToFloat(static_cast<uint8_t>(m)));
+      return true;
+    }();
+    (void)filled;
+    return table;
+  }
+  __m512i t0_, t1_, t2_, t3_;
+};
 
 void DecodeFp8RowBf16(const uint8_t* row, int64_t cols, uint16_t* out) {
+  const Fp8Decoder Fp8ToBf16;
   const int64_t kp = PaddedK(cols);
   for (int64_t k = 0; k < kp; k += 32) {
     __m512i bits;
