@@ -9,9 +9,12 @@
 //   fp32 <= 1e-4: no intermediate rounding, only summation order differs.
 // A token whose expert choice differs (a near-tie: CUDA's expf vs glibc's) is excluded and
 // counted; at most max(1, 2%) of the tokens.
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <random>
@@ -46,25 +49,31 @@ MoeConfig MakeConfig(const std::string& name) {
   return c;
 }
 
-std::string TempDir() {
+// Checkpoints are deterministic (seed), so they are written once and shared by the test
+// processes ctest starts (one per case), under a file lock.
+std::string CacheDir() {
+  if (const char* dir = std::getenv("MOE_TEST_CACHE")) return dir;
   const char* tmp = std::getenv("TMPDIR");
-  return absl::StrCat(tmp ? tmp : "/tmp", "/moe_cuda_layer_test_", getpid());
+  return absl::StrCat(tmp ? tmp : "/tmp", "/moe_cuda_layer_test_", getuid());
 }
 
 class CudaLayerTest
     : public ::testing::TestWithParam<std::tuple<std::string, int, int, Precision>> {
  protected:
-  static void TearDownTestSuite() { std::filesystem::remove_all(TempDir()); }
-
   static std::string Checkpoint(const std::string& name) {
-    const std::string dir = absl::StrCat(TempDir(), "/", name);
-    if (!std::filesystem::exists(dir + "/config.json")) {
+    const std::string dir = absl::StrCat(CacheDir(), "/", name, "-seed11");
+    std::filesystem::create_directories(CacheDir());
+    const int lock = open((dir + ".lock").c_str(), O_CREAT | O_RDWR, 0644);
+    if (lock >= 0) flock(lock, LOCK_EX);
+    if (!std::filesystem::exists(dir + "/.complete")) {
       SyntheticOptions options;
       options.seed = 11;
       options.num_moe_layers = 1;
       const absl::Status s = WriteSyntheticCheckpoint(dir, MakeConfig(name), options);
       EXPECT_TRUE(s.ok()) << s;
+      if (s.ok()) std::fclose(std::fopen((dir + "/.complete").c_str(), "w"));
     }
+    if (lock >= 0) close(lock);  // releases the lock
     return dir;
   }
 };
