@@ -70,12 +70,15 @@ absl::Status CheckDeviceWeight(absl::string_view op, const WeightMatrix& w) {
 
 using DeviceGuard = cuda::ScopedDevice;
 
+// Memory from Allocate. Freed only after the backend's queued work (which may still read
+// it) has finished; must not outlive the backend.
 class CudaDeviceBuffer final : public DeviceBuffer {
  public:
-  CudaDeviceBuffer(int device, void* data, size_t size)
-      : device_(device), data_(data), size_(size) {}
+  CudaDeviceBuffer(int device, cudaStream_t stream, void* data, size_t size)
+      : device_(device), stream_(stream), data_(data), size_(size) {}
   ~CudaDeviceBuffer() override {
     DeviceGuard guard(device_);
+    cudaStreamSynchronize(stream_);
     cudaFree(data_);
   }
   void* data() override { return data_; }
@@ -83,6 +86,7 @@ class CudaDeviceBuffer final : public DeviceBuffer {
 
  private:
   int device_;
+  cudaStream_t stream_;
   void* data_;
   size_t size_;
 };
@@ -359,7 +363,8 @@ absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaBackend::Allocate(size_t bytes
   MOE_CUDA_OP_PROLOGUE();
   void* data = nullptr;
   CUDA_RETURN_IF_ERROR(cudaMalloc(&data, std::max<size_t>(bytes, 1)));
-  return std::unique_ptr<DeviceBuffer>(new CudaDeviceBuffer(impl_->options.device, data, bytes));
+  return std::unique_ptr<DeviceBuffer>(
+      new CudaDeviceBuffer(impl_->options.device, impl_->stream, data, bytes));
 }
 
 absl::Status CudaBackend::CopyToBackend(void* dst, const void* host_src, size_t bytes) {
