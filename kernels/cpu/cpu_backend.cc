@@ -169,6 +169,9 @@ absl::Status CpuBackend::SelectExperts(ConstMatrixView logits, const float* bias
   const int groups = std::max(1, params.n_group);
   if (E % groups != 0 || params.topk_group < 1 || params.topk_group > groups)
     return ShapeError("SelectExperts", "bad expert grouping");
+  if (groups > 1 && k > params.topk_group * (E / groups))
+    return ShapeError("SelectExperts", absl::StrCat("top_k ", k, " exceeds the experts of the ",
+                                                    params.topk_group, " kept groups"));
   // As both seed gates do: a single expert keeps its raw score (no renormalization).
   const bool renormalize = params.renormalize && k > 1;
   std::lock_guard<std::mutex> lock(mu_);

@@ -67,6 +67,10 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   gateway->metrics_ = std::make_unique<GatewayMetrics>(
       config, gateway->engine_->layers(), gateway->engine_->placement(), options.metrics);
   gateway->engine_->SetObserver(gateway->metrics_.get());
+  BalanceOptions balance = options.balance;
+  balance.per_expert = options.metrics.per_expert;
+  gateway->diagnostics_ = std::make_unique<BalanceDiagnostics>(gateway->engine_.get(),
+                                                               gateway->metrics_.get(), balance);
   gateway->batcher_ = std::make_unique<StepBatcher>(gateway->engine_.get(), options.batcher);
   gateway->ranks_.resize(options.num_ranks);
   gateway->session_ = NewSession();
@@ -88,6 +92,7 @@ absl::Status Gateway::Start() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   moe_service_ = std::make_unique<MoeServiceImpl>(this);
   control_service_ = std::make_unique<RankControlServiceImpl>(this);
+  diagnostics_service_ = std::make_unique<DiagnosticsServiceImpl>(this);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.host, ":", options_.port),
                            grpc::InsecureServerCredentials(), &port_);
@@ -97,6 +102,7 @@ absl::Status Gateway::Start() {
       static_cast<int>(std::min<int64_t>(options_.max_message_bytes, INT32_MAX)));
   builder.RegisterService(moe_service_.get());
   builder.RegisterService(control_service_.get());
+  builder.RegisterService(diagnostics_service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0)
     return absl::UnavailableError(
@@ -119,6 +125,7 @@ void Gateway::Shutdown(absl::Duration grace) {
     server_.reset();
   }
   batcher_.reset();
+  diagnostics_.reset();
 }
 
 void Gateway::Wait() {
@@ -165,12 +172,14 @@ std::vector<RankRecord> Gateway::ranks() const {
 
 void Gateway::OnRankState(int rank, bool up) {
   metrics_->OnRankState(rank, up);
+  // Serialized, and the state re-read under the lock: the last callback leaves the health
+  // status matching the transport, however rank transitions interleave.
+  std::lock_guard<std::mutex> lock(health_mu_);
   const bool all_up = ready();
   std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
                ReadinessMessage().c_str());
   if (all_up) std::fprintf(stderr, "moe-gateway: ready (%d ranks)\n", options_.num_ranks);
   std::fflush(stderr);
-  std::lock_guard<std::mutex> lock(health_mu_);
   if (health_ != nullptr) health_->SetServingStatus(all_up);
 }
 

@@ -17,6 +17,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
+#include "server/gateway/balance_diagnostics.h"
 #include "server/gateway/gateway_engine.h"
 #include "server/gateway/step_batcher.h"
 #include "server/metrics/gateway_metrics.h"
@@ -26,6 +27,7 @@ namespace moe {
 
 class MoeServiceImpl;
 class RankControlServiceImpl;
+class DiagnosticsServiceImpl;
 
 struct GatewayOptions {
   std::string checkpoint;        // checkpoint directory (config.json + safetensors)
@@ -43,6 +45,7 @@ struct GatewayOptions {
   std::string metrics_host = "0.0.0.0";
   int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
   MetricsOptions metrics;
+  BalanceOptions balance;  // Quantile Balancing window, bias override permission
 };
 
 // What a rank told us about itself (model info).
@@ -72,6 +75,7 @@ class Gateway {
   StepBatcher& batcher() { return *batcher_; }
   GrpcGatewayTransport& grpc_transport() { return *transport_; }
   GatewayMetrics& metrics() { return *metrics_; }
+  BalanceDiagnostics& diagnostics() { return *diagnostics_; }
   int metrics_port() const { return metrics_->port(); }
   const std::string& session() const { return session_; }
   std::string backend_name() const { return backend_->name(); }
@@ -91,9 +95,11 @@ class Gateway {
   std::unique_ptr<GrpcGatewayTransport> transport_;
   std::unique_ptr<GatewayEngine> engine_;
   std::unique_ptr<GatewayMetrics> metrics_;
+  std::unique_ptr<BalanceDiagnostics> diagnostics_;
   std::unique_ptr<StepBatcher> batcher_;
   std::unique_ptr<MoeServiceImpl> moe_service_;
   std::unique_ptr<RankControlServiceImpl> control_service_;
+  std::unique_ptr<DiagnosticsServiceImpl> diagnostics_service_;
   std::unique_ptr<grpc::Server> server_;
   std::mutex health_mu_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // guarded by health_mu_

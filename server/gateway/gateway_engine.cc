@@ -45,6 +45,21 @@ GatewayLayer* GatewayEngine::layer(int index) {
   return it == layers_.end() ? nullptr : it->second->math.get();
 }
 
+std::vector<float> GatewayEngine::RouterBias(int layer) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return {};
+  std::lock_guard<std::mutex> lock(it->second->mu);
+  return it->second->math->router_bias();
+}
+
+absl::Status GatewayEngine::SetRouterBias(int layer, std::vector<float> bias) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end())
+    return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
+  std::lock_guard<std::mutex> lock(it->second->mu);
+  return it->second->math->SetRouterBias(std::move(bias));
+}
+
 absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, absl::Time deadline,
                                     float* out, Routing* routing_out) {
   auto it = layers_.find(layer);

@@ -56,6 +56,9 @@ class GatewayEngine {
   std::vector<int> layers() const;
   bool Serves(int layer) const { return layers_.count(layer) > 0; }
   GatewayLayer* layer(int index);
+  // The router's selection bias of a layer, and replacing it between steps.
+  std::vector<float> RouterBias(int layer);
+  absl::Status SetRouterBias(int layer, std::vector<float> bias);
   void SetObserver(StepObserver* observer) { observer_ = observer; }
 
   // One step over host arrays x, out: [tokens, H]. Thread-safe; steps of one layer run one

@@ -52,6 +52,14 @@ int main(int argc, char** argv) {
              "export per-expert series (experts x layers of them)");
   flags.Int("balance-window-steps", &options.metrics.window_steps,
             "steps in the load-balance sliding window");
+  flags.Int("qb-window-tokens", &options.balance.window_tokens,
+            "router-score window per layer for Quantile Balancing diagnostics (0 = off)");
+  int64_t qb_refresh_s = 10;
+  flags.Int("qb-refresh-s", &qb_refresh_s,
+            "how often the Quantile Balancing gauges are recomputed");
+  flags.Bool(
+      "allow-bias-override", &options.balance.allow_bias_override,
+      "allow MoeDiagnostics/SetRouterBias to install router biases (logged, shown in model info)");
   flags.Require("checkpoint");
   flags.ParseOrExit(argc, argv);
   options.precision = dtype == "fp32" ? moe::Precision::kFP32 : moe::Precision::kBF16;
@@ -68,6 +76,7 @@ int main(int argc, char** argv) {
     options.layers.push_back(layer);
   }
   options.batcher.max_wait = absl::Microseconds(max_wait_us);
+  options.balance.refresh = absl::Seconds(qb_refresh_s);
   options.batcher.step_timeout = absl::Milliseconds(step_timeout_ms);
 
   auto gateway = moe::Gateway::Create(options);

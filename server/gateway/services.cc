@@ -193,6 +193,39 @@ grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext*, const moe::v1::G
     rank->set_weight_bytes(ranks[r].weight_bytes);
     for (int e : placement.rank_experts[r]) rank->add_experts(e);
   }
+  for (const auto& record : gateway_->diagnostics().overrides())
+    *info->add_bias_overrides() = record;
+  return grpc::Status::OK;
+}
+
+// ---- diagnostics ----------------------------------------------------------------------------
+
+grpc::Status DiagnosticsServiceImpl::GetLoadBalance(grpc::ServerContext*,
+                                                    const moe::v1::GetLoadBalanceRequest* request,
+                                                    moe::v1::LoadBalanceReport* response) {
+  auto report = gateway_->diagnostics().Report(request->layer());
+  if (!report.ok()) return ToGrpcStatus(report.status());
+  *response = std::move(*report);
+  return grpc::Status::OK;
+}
+
+grpc::Status DiagnosticsServiceImpl::GetPlacementAdvice(
+    grpc::ServerContext*, const moe::v1::GetPlacementAdviceRequest* request,
+    moe::v1::PlacementAdvice* response) {
+  auto advice = gateway_->diagnostics().Advice(request->layer(), request->redundant_experts());
+  if (!advice.ok()) return ToGrpcStatus(advice.status());
+  *response = std::move(*advice);
+  return grpc::Status::OK;
+}
+
+grpc::Status DiagnosticsServiceImpl::SetRouterBias(grpc::ServerContext* context,
+                                                   const moe::v1::SetRouterBiasRequest* request,
+                                                   moe::v1::SetRouterBiasResponse* response) {
+  const std::string source = request->source().empty() ? context->peer() : request->source();
+  auto record = gateway_->diagnostics().SetRouterBias(
+      request->layer(), std::vector<float>(request->bias().begin(), request->bias().end()), source);
+  if (!record.ok()) return ToGrpcStatus(record.status());
+  *response->mutable_override() = std::move(*record);
   return grpc::Status::OK;
 }
 

@@ -26,6 +26,24 @@ class MoeServiceImpl final : public moe::v1::MoeService::Service {
   Gateway* gateway_;
 };
 
+class DiagnosticsServiceImpl final : public moe::v1::MoeDiagnostics::Service {
+ public:
+  explicit DiagnosticsServiceImpl(Gateway* gateway) : gateway_(gateway) {}
+
+  grpc::Status GetLoadBalance(grpc::ServerContext* context,
+                              const moe::v1::GetLoadBalanceRequest* request,
+                              moe::v1::LoadBalanceReport* response) override;
+  grpc::Status GetPlacementAdvice(grpc::ServerContext* context,
+                                  const moe::v1::GetPlacementAdviceRequest* request,
+                                  moe::v1::PlacementAdvice* response) override;
+  grpc::Status SetRouterBias(grpc::ServerContext* context,
+                             const moe::v1::SetRouterBiasRequest* request,
+                             moe::v1::SetRouterBiasResponse* response) override;
+
+ private:
+  Gateway* gateway_;
+};
+
 class RankControlServiceImpl final : public moe::v1::internal::RankControl::Service {
  public:
   explicit RankControlServiceImpl(Gateway* gateway) : gateway_(gateway) {}

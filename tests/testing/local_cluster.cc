@@ -45,6 +45,8 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
                                    "127.0.0.1",
                                    "--threads",
                                    absl::StrCat(options_.threads)};
+  if (options_.metrics)
+    argv.insert(argv.end(), {"--metrics-port", "0", "--metrics-host", "127.0.0.1"});
   argv.insert(argv.end(), options_.gateway_args.begin(), options_.gateway_args.end());
   gateway_ = std::make_unique<ChildProcess>(argv, log_dir_ + "/gateway.log");
   const std::string line = gateway_->WaitForLog("waiting for", timeout);
@@ -55,6 +57,18 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
   if (colon == std::string::npos ||
       !absl::SimpleAtoi(line.substr(colon + 10, line.find(',', colon) - colon - 10), &port_))
     return absl::InternalError(absl::StrCat("cannot parse the gateway port from: ", line));
+  auto metrics_port = [&](const ChildProcess& p, int* port) -> absl::Status {
+    const std::string m = p.WaitForLog("metrics on", timeout);
+    const size_t at = m.rfind(':');
+    const size_t slash = m.find('/', at);
+    if (at == std::string::npos || !absl::SimpleAtoi(m.substr(at + 1, slash - at - 1), port))
+      return absl::InternalError(
+          absl::StrCat("cannot parse a metrics port from: '", m, "'\n", Logs()));
+    return absl::OkStatus();
+  };
+  if (options_.metrics) {
+    if (absl::Status s = metrics_port(*gateway_, &gateway_metrics_port_); !s.ok()) return s;
+  }
   for (int r = 0; r < options_.ranks; ++r) {
     std::vector<std::string> rank_argv = {BinaryPath("moe-rank"),
                                           "--gateway",
@@ -64,9 +78,16 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
                                           "--threads",
                                           absl::StrCat(options_.threads),
                                           "--exit-on-disconnect"};
+    if (options_.metrics)
+      rank_argv.insert(rank_argv.end(), {"--metrics-port", "0", "--metrics-host", "127.0.0.1"});
     rank_argv.insert(rank_argv.end(), options_.rank_args.begin(), options_.rank_args.end());
     ranks_.push_back(
         std::make_unique<ChildProcess>(rank_argv, absl::StrCat(log_dir_, "/rank", r, ".log")));
+  }
+  if (options_.metrics) {
+    rank_metrics_ports_.assign(options_.ranks, 0);
+    for (int r = 0; r < options_.ranks; ++r)
+      if (absl::Status s = metrics_port(*ranks_[r], &rank_metrics_ports_[r]); !s.ok()) return s;
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);

@@ -17,6 +17,7 @@ struct ClusterOptions {
   std::vector<std::string> gateway_args;  // extra flags
   std::vector<std::string> rank_args;     // extra flags for every rank
   int threads = 1;                        // per process (tests share 2 cores)
+  bool metrics = false;                   // serve /metrics on free ports (see metrics_port())
 };
 
 class LocalCluster {
@@ -33,6 +34,9 @@ class LocalCluster {
   ChildProcess& rank(int i) { return *ranks_[i]; }
   // grpc.health.v1 status of the gateway: true when SERVING.
   bool Serving();
+  // /metrics ports (options.metrics): the gateway's, and rank i's.
+  int gateway_metrics_port() const { return gateway_metrics_port_; }
+  int rank_metrics_port(int i) const { return rank_metrics_ports_[i]; }
   std::string Logs() const;
 
  private:
@@ -41,6 +45,8 @@ class LocalCluster {
   std::unique_ptr<ChildProcess> gateway_;
   std::vector<std::unique_ptr<ChildProcess>> ranks_;
   int port_ = 0;
+  int gateway_metrics_port_ = 0;
+  std::vector<int> rank_metrics_ports_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::MoeService::Stub> stub_;
 };
