@@ -135,6 +135,7 @@ class MoeClient {
 // Many requests on one ForwardStream. The server serves them concurrently and answers in any
 // order; Receive matches responses to requests by request_id. Send and Receive may be called
 // from many threads at once (writes are serialized; one thread reads).
+// NOTES: std::mutex rather than absl::Mutex: TSan cannot see into Debian's uninstrumented Abseil.
 class ForwardStreamSession {
  public:
   ~ForwardStreamSession();  // cancels the stream unless Finish was called

@@ -53,8 +53,9 @@ class MoeClientCliTest : public ::testing::Test {
     const std::string out = Path("stdout.txt"), err = Path("stderr.txt");
     // Under TSan the child needs what tsan_defaults.cc gives this process (no effect otherwise).
     const std::string command =
-        absl::StrCat("TSAN_OPTIONS=\"$TSAN_OPTIONS ignore_noninstrumented_modules=1\" ",
-                     MOE_BINARY_DIR, "/bin/moe-client ", args, " >", out, " 2>", err);
+        absl::StrCat("TSAN_OPTIONS=\"$TSAN_OPTIONS ignore_noninstrumented_modules=1 suppressions=",
+                     MOE_SOURCE_DIR, "/tests/client/tsan.supp\" ", MOE_BINARY_DIR,
+                     "/bin/moe-client ", args, " >", out, " 2>", err);
     CliRun run;
     const int status = std::system(command.c_str());
     run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

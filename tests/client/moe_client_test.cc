@@ -183,7 +183,8 @@ TEST_F(MoeClientTest, Health) {
   EXPECT_EQ(client_->IsServing("no.such.Service").status().code(), absl::StatusCode::kNotFound);
   server_->SetServing(false);
   EXPECT_EQ(client_->IsServing().value(), false);
-  const absl::Status waited = client_->WaitUntilServing(absl::Milliseconds(300));
+  // Long enough for a first answer even on a loaded TSan run: the message keeps the last one.
+  const absl::Status waited = client_->WaitUntilServing(absl::Seconds(1));
   EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
   EXPECT_NE(waited.message().find("NOT_SERVING"), absl::string_view::npos) << waited;
 
@@ -323,8 +324,9 @@ TEST_F(MoeClientTest, StreamDeadlineEndsPendingReceives) {
   const std::vector<float> x = Input(FakeMoeServer::kHidden);
   auto id = (*opened)->Send(FakeMoeServer::kSlowLayer, {1, FakeMoeServer::kHidden}, x.data(),
                             ForwardOptions{});
-  ASSERT_TRUE(id.ok()) << id.status();
-  EXPECT_EQ((*opened)->Receive(*id).status().code(), absl::StatusCode::kDeadlineExceeded);
+  // On a slow (sanitizer) run the deadline may pass before the Send: the same verdict.
+  const absl::Status status = id.ok() ? (*opened)->Receive(*id).status() : id.status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
   EXPECT_EQ((*opened)->Finish().code(), absl::StatusCode::kDeadlineExceeded);
 }
 
