@@ -166,12 +166,59 @@ struct ActivationParams {
   float situ_linear_beta = 25.0f;  // bound of the linear branch
 };
 
-MOE_HD float Sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+// Deterministic fp32 exp / sigmoid / tanh.
+//
+// NOTES: libm's expf/tanhf are accurate but not reproducible across implementations, and a
+// vector kernel cannot call them. These are one fixed sequence of fp32 operations (range
+// reduction, FMA polynomials, correctly rounded division), so this scalar code, the AVX-512
+// kernels (kernels/cpu/activation_avx512.cc) and CUDA device code give identical bits.
+// Accuracy: within a few ulp of the true value (tests/core), far inside the bf16 rounding that
+// follows in bf16 mode.
+
+// exp(x), x clamped to [-87, 88]: x = n ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial
+// (truncation error < 6e-9 relative).
+MOE_HD float ExpF(float x) {
+  x = fminf(fmaxf(x, -87.0f), 88.0f);
+  const float n = nearbyintf(x * 1.44269504088896341f);
+  float r = fmaf(-n, 0.693145751953125f, x);  // ln 2, split so n * hi is exact
+  r = fmaf(-n, 1.428606765330187045e-06f, r);
+  float p = 1.9841269841e-4f;  // 1/7!
+  p = fmaf(p, r, 1.3888888889e-3f);
+  p = fmaf(p, r, 8.3333333333e-3f);
+  p = fmaf(p, r, 4.1666666667e-2f);
+  p = fmaf(p, r, 1.6666666667e-1f);
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);
+  const uint32_t scale = static_cast<uint32_t>(static_cast<int32_t>(n) + 127)
+                         << 23;  // 2^n, n in [-126, 127]
+  return p * BitsToFloat(scale);
+}
+
+MOE_HD float Sigmoid(float z) { return 1.0f / (1.0f + ExpF(-z)); }
+
+// tanh: odd Taylor polynomial below 0.3 (truncation < 2e-9 relative), 1 - 2 / (exp(2|x|) + 1)
+// above, with the sign; exactly 1 from 9 on (fp32 tanh rounds to 1 there).
+MOE_HD float TanhF(float x) {
+  const float a = fabsf(x);
+  if (a < 0.3f) {
+    const float x2 = x * x;
+    float p = -8.8632355299e-3f;  // -1382/155925
+    p = fmaf(p, x2, 2.1869488536e-2f);
+    p = fmaf(p, x2, -5.3968253968e-2f);
+    p = fmaf(p, x2, 1.3333333333e-1f);
+    p = fmaf(p, x2, -3.3333333333e-1f);
+    p = fmaf(p, x2, 1.0f);
+    return x * p;
+  }
+  const float t = a >= 9.0f ? 1.0f : 1.0f - 2.0f / (ExpF(2.0f * a) + 1.0f);
+  return copysignf(t, x);
+}
 
 MOE_HD float GluActivate(const ActivationParams& p, float g, float u) {
   if (p.kind == Activation::kSiLU) return g * Sigmoid(g) * u;
-  const float a = p.situ_beta * std::tanh(g / p.situ_beta) * Sigmoid(g);
-  const float ub = p.situ_linear_beta * std::tanh(u / p.situ_linear_beta);
+  const float a = p.situ_beta * TanhF(g / p.situ_beta) * Sigmoid(g);
+  const float ub = p.situ_linear_beta * TanhF(u / p.situ_linear_beta);
   return a * ub;
 }
 

@@ -120,7 +120,7 @@ int64_t CpuBackend::PackRows(ConstMatrixView x, WeightFormat format, Precision p
   uint8_t* base = buffer->data();
   pool_.ParallelFor(x.rows, [&](int64_t b, int64_t e, int) {
     for (int64_t r = b; r < e; ++r)
-      cpu::PackActivationRow(x.Row(r), x.cols, format, p, base + r * stride * elem);
+      kernels_->pack_row(x.Row(r), x.cols, format, p, base + r * stride * elem);
   });
   return stride;
 }
@@ -238,8 +238,7 @@ absl::Status CpuBackend::GluActivation(ConstMatrixView g, ConstMatrixView u,
   std::lock_guard<std::mutex> lock(mu_);
   pool_.ParallelFor(g.rows, [&](int64_t b, int64_t e, int) {
     for (int64_t r = b; r < e; ++r)
-      for (int64_t c = 0; c < g.cols; ++c)
-        out.Row(r)[c] = RoundTo(p, GluActivate(act, g.Row(r)[c], u.Row(r)[c]));
+      kernels_->glu_row(g.Row(r), u.Row(r), g.cols, act, p, out.Row(r));
   });
   return absl::OkStatus();
 }
@@ -283,25 +282,21 @@ absl::Status CpuBackend::ExpertMlp(ConstMatrixView x, const ExpertAssignments& a
   const int64_t assignments = asg.num_assignments();
   if (packed_hidden_.size() < static_cast<size_t>(assignments * h_stride) * elem)
     packed_hidden_.resize(assignments * h_stride * elem);
-  if (h_stride > hidden) {
-    for (int64_t a = 0; a < assignments; ++a)
-      std::memset(packed_hidden_.data() + (a * h_stride + (hidden & ~int64_t{63})) * elem, 0,
-                  (h_stride - (hidden & ~int64_t{63})) * elem);
-  }
   const int threads = pool_.num_threads();
   const int64_t align = kernels_->row_block;
 
-  // Phase 1: each thread owns a range of hidden units of every expert (disjoint weight rows).
+  // Phase 1: each thread owns a range of hidden units of every expert (disjoint weight rows),
+  // in whole 64-element units so it can pack its part of each activation row on its own.
   pool_.RunOnAll([&](int t) {
     int64_t h0, h1;
-    SplitAligned(hidden, threads, align, t, &h0, &h1);
+    SplitAligned(hidden, threads, cpu::kPadK, t, &h0, &h1);
     if (h0 >= h1) return;
     const int64_t width = h1 - h0;
     for (int e = 0; e < E; ++e) {
       const int64_t m = asg.offsets[e + 1] - asg.offsets[e];
       if (m == 0) continue;
       std::vector<float>& out = thread_out_[t];
-      if (out.size() < static_cast<size_t>(2 * m * width)) out.resize(2 * m * width);
+      if (out.size() < static_cast<size_t>(3 * m * width)) out.resize(3 * m * width);
       cpu::DotOperands op;
       op.x = packed_x_.data();
       op.x_stride = x_stride;
@@ -312,20 +307,13 @@ absl::Status CpuBackend::ExpertMlp(ConstMatrixView x, const ExpertAssignments& a
       kernels_->dot_rows(op, h0, h1, out.data(), width, &scratch_[t]);
       op.w = &experts[e].up;
       kernels_->dot_rows(op, h0, h1, out.data() + m * width, width, &scratch_[t]);
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t slot = asg.offsets[e] + i;
-        for (int64_t h = h0; h < h1; ++h) {
-          const float g = RoundTo(p, out[i * width + (h - h0)]);
-          const float u = RoundTo(p, out[(m + i) * width + (h - h0)]);
-          const float a = GluActivate(act, g, u);
-          const int64_t pos = slot * h_stride + cpu::CanonicalIndex(hidden_format, h);
-          if (p == Precision::kBF16) {
-            reinterpret_cast<uint16_t*>(packed_hidden_.data())[pos] = FloatToBf16Bits(a);
-          } else {
-            reinterpret_cast<float*>(packed_hidden_.data())[pos] = a;
-          }
-        }
-      }
+      float* activated = out.data() + 2 * m * width;
+      kernels_->glu_row(out.data(), out.data() + m * width, m * width, act, p, activated);
+      // h0 is a multiple of 64, so the segment's canonical order is the row's, shifted by h0;
+      // the last segment's zero padding ends exactly at h_stride.
+      for (int64_t i = 0; i < m; ++i)
+        kernels_->pack_row(activated + i * width, width, hidden_format, p,
+                           packed_hidden_.data() + ((asg.offsets[e] + i) * h_stride + h0) * elem);
     }
   });
 

@@ -37,11 +37,29 @@ struct DotOperands {
 using DotRowsFn = void (*)(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
                            DotScratch* scratch);
 
+// out[i] = round(act(round(g[i]), round(u[i]))) for i < n, round = the precision's rounding;
+// the activation is core/numerics.h's GluActivate, bit for bit.
+using GluRowFn = void (*)(const float* g, const float* u, int64_t n, const ActivationParams& act,
+                          Precision precision, float* out);
+
+// Packs one activation row in `format`'s canonical order (PackActivationRow, bit for bit).
+using PackRowFn = void (*)(const float* x, int64_t k, WeightFormat format, Precision precision,
+                           void* out);
+
 struct DotKernels {
   const char* name;
   DotRowsFn dot_rows;
   int row_block;  // weight rows a kernel prefers per call (work split granularity)
+  GluRowFn glu_row;
+  PackRowFn pack_row;
 };
+
+// The portable GLU row (also the fallback of every ISA).
+void PortableGluRow(const float* g, const float* u, int64_t n, const ActivationParams& act,
+                    Precision precision, float* out);
+// The AVX-512 GLU row and row packing.
+GluRowFn Avx512GluRow();
+PackRowFn Avx512PackRow();
 
 // Portable implementation (any x86-64 / any CPU): the definition the others match.
 const DotKernels& PortableDotKernels();

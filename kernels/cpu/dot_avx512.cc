@@ -377,7 +377,8 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
 }  // namespace
 
 const DotKernels* Avx512DotKernels() {
-  static const DotKernels kernels{"avx512-bf16", &Avx512DotRows, kMaxRowsPerTile};
+  static const DotKernels kernels{"avx512-bf16", &Avx512DotRows, kMaxRowsPerTile, Avx512GluRow(),
+                                  Avx512PackRow()};
   return &kernels;
 }
 

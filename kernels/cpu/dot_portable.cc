@@ -31,8 +31,16 @@ void PortableDotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, in
 
 }  // namespace
 
+void PortableGluRow(const float* g, const float* u, int64_t n, const ActivationParams& act,
+                    Precision precision, float* out) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] =
+        RoundTo(precision, GluActivate(act, RoundTo(precision, g[i]), RoundTo(precision, u[i])));
+}
+
 const DotKernels& PortableDotKernels() {
-  static const DotKernels kernels{"portable", &PortableDotRows, 1};
+  static const DotKernels kernels{"portable", &PortableDotRows, 1, &PortableGluRow,
+                                  &PackActivationRow};
   return kernels;
 }
 

@@ -110,3 +110,42 @@ TEST(NumericsTest, ActivationsFollowTheirFormulas) {
 
 }  // namespace
 }  // namespace moe
+
+namespace moe {
+namespace {
+
+double UlpError(float got, double want) {
+  if (want == 0) return got == 0 ? 0 : 1e9;
+  int e;
+  std::frexp(want, &e);
+  return std::fabs(got - want) / std::ldexp(1.0, e - 24);
+}
+
+// The deterministic fp32 exp / tanh / sigmoid stay within a few ulp of the true values.
+TEST(FastMathTest, ExpTanhSigmoidAreAccurate) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> wide(-80.0f, 80.0f), narrow(-3.0f, 3.0f);
+  double worst_exp = 0, worst_tanh = 0, worst_sigmoid = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const float x = i % 2 ? wide(rng) : narrow(rng);
+    worst_exp = std::max(worst_exp, UlpError(ExpF(x), std::exp(static_cast<double>(x))));
+    const float t = narrow(rng) * (i % 3 == 0 ? 0.1f : 1.0f) * (i % 7 == 0 ? 5.0f : 1.0f);
+    if (std::fabs(t) > 1e-30f)
+      worst_tanh = std::max(worst_tanh, UlpError(TanhF(t), std::tanh(static_cast<double>(t))));
+    worst_sigmoid = std::max(worst_sigmoid,
+                             UlpError(Sigmoid(x), 1.0 / (1.0 + std::exp(-static_cast<double>(x)))));
+  }
+  EXPECT_LE(worst_exp, 3.0);
+  EXPECT_LE(worst_tanh, 4.0);
+  EXPECT_LE(worst_sigmoid, 4.0);
+  EXPECT_EQ(TanhF(0.0f), 0.0f);
+  EXPECT_EQ(TanhF(20.0f), 1.0f);
+  EXPECT_EQ(TanhF(-20.0f), -1.0f);
+  EXPECT_EQ(ExpF(0.0f), 1.0f);
+  EXPECT_GT(Sigmoid(-200.0f), 0.0f);
+  EXPECT_EQ(Sigmoid(200.0f), 1.0f);
+  std::printf("worst ulp: exp %.2f tanh %.2f sigmoid %.2f\n", worst_exp, worst_tanh, worst_sigmoid);
+}
+
+}  // namespace
+}  // namespace moe

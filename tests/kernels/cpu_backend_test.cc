@@ -244,6 +244,47 @@ TEST_F(CpuBackendTest, ExpertMlpMatchesReference) {
       }
 }
 
+// The whole grouped-expert op, every format and precision: the vector kernels (dot, GLU,
+// packing) give the portable kernels' bits, so results never depend on the CPU.
+TEST_F(CpuBackendTest, ExpertMlpIsBitIdenticalAcrossKernelVariants) {
+  const int64_t in = 320, hidden = 200;  // hidden not a multiple of 64: partial units
+  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP4, WeightFormat::kFP8Block128})
+    for (Precision p : {Precision::kBF16, Precision::kFP32}) {
+      const int64_t h = f == WeightFormat::kMXFP4 ? 256 : hidden;  // MXFP4 needs multiples of 32
+      std::vector<std::unique_ptr<RandomWeight>> owned;
+      std::vector<MlpWeights> experts;
+      for (int e = 0; e < 3; ++e) {
+        owned.push_back(std::make_unique<RandomWeight>(f, h, in, 10 + e));
+        owned.push_back(std::make_unique<RandomWeight>(f, h, in, 20 + e));
+        owned.push_back(std::make_unique<RandomWeight>(f, in, h, 30 + e));
+        experts.push_back({owned[3 * e]->view, owned[3 * e + 1]->view, owned[3 * e + 2]->view});
+      }
+      const int64_t M = 37;
+      ExpertAssignments asg;
+      asg.offsets = {0};
+      for (int e = 0; e < 3; ++e) {
+        for (int64_t r = e; r < M; r += 2) {
+          asg.rows.push_back(static_cast<int32_t>(r));
+          asg.gates.push_back(0.25f + 0.01f * static_cast<float>(r));
+        }
+        asg.offsets.push_back(static_cast<int32_t>(asg.rows.size()));
+      }
+      auto x = RandomActivations(M, in, 5, p == Precision::kBF16);
+      std::vector<double> best(M * in), portable(M * in);
+      ActivationParams act{Activation::kSiTU, 4.0f, 25.0f};
+      ASSERT_TRUE(
+          backend_
+              .ExpertMlp(CView(x, M, in), asg, experts, act, PartialView(best.data(), M, in, in), p)
+              .ok());
+      ASSERT_TRUE(portable_
+                      .ExpertMlp(CView(x, M, in), asg, experts, act,
+                                 PartialView(portable.data(), M, in, in), p)
+                      .ok());
+      EXPECT_EQ(best, portable) << WeightFormatName(f) << " "
+                                << (p == Precision::kBF16 ? "bf16" : "fp32");
+    }
+}
+
 TEST_F(CpuBackendTest, RmsNormAndRoundingOps) {
   const int64_t T = 3, D = 320;
   auto x = RandomActivations(T, D, 3);
