@@ -149,8 +149,18 @@ absl::Status CpuBackend::Linear(ConstMatrixView x, const WeightMatrix& w, Matrix
   op.m = x.rows;
   op.w = &w;
   op.precision = p;
+  // Blocks of operand rows small enough to stay in L2 (~512 KB) while the weight rows stream
+  // past them; the canonical order does not depend on the blocking.
+  const size_t row_bytes = op.x_stride * (p == Precision::kBF16 ? 2 : 4);
+  const int64_t m_block =
+      std::max<int64_t>(6, static_cast<int64_t>((512 << 10) / row_bytes) / 6 * 6);
   ForRowBlocks(w.rows, [&](int64_t n0, int64_t n1, int t) {
-    kernels_->dot_rows(op, n0, n1, y.data + n0, y.stride, &scratch_[t]);
+    for (int64_t i0 = 0; i0 < op.m; i0 += m_block) {
+      cpu::DotOperands block = op;
+      block.x = packed_x_.data() + i0 * row_bytes;
+      block.m = std::min(m_block, op.m - i0);
+      kernels_->dot_rows(block, n0, n1, y.Row(i0) + n0, y.stride, &scratch_[t]);
+    }
     if (p == Precision::kBF16)
       for (int64_t i = 0; i < y.rows; ++i)
         for (int64_t n = n0; n < n1; ++n) y.Row(i)[n] = RoundToBf16(y.Row(i)[n]);

@@ -264,13 +264,15 @@ template <int MR>
 void TileBf16Nr(int nr, const uint16_t* const* x, const uint16_t* const* w,
                 const float* const* scales, int64_t kp, float* y, int64_t ldy) {
   switch (nr) {
-#define MOE_TILE_CASE(N)                                \
-  case N:                                               \
-    if (scales) {                                       \
-      TileBf16Blocked<MR, N>(x, w, scales, kp, y, ldy); \
-    } else {                                            \
-      TileBf16<MR, N>(x, w, kp, y, ldy);                \
-    }                                                   \
+#define MOE_TILE_CASE(N)                                  \
+  case N:                                                 \
+    if constexpr (MR <= 3) {                              \
+      if (scales) {                                       \
+        TileBf16Blocked<MR, N>(x, w, scales, kp, y, ldy); \
+        break;                                            \
+      }                                                   \
+    }                                                     \
+    TileBf16<MR, N>(x, w, kp, y, ldy);                    \
     break;
     MOE_TILE_CASE(1)
     MOE_TILE_CASE(2)
@@ -306,7 +308,9 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
   const bool bf16 = op.precision == Precision::kBF16;
   const bool fp8 = w.format == WeightFormat::kFP8Block128;
   // FP8 tiles keep partial and total accumulators: fewer operand rows per tile.
-  const int mr_max = fp8 ? 3 : 4;
+  // Operand rows per tile: 6 x 4 accumulators for plain bf16 tiles; FP8 tiles keep partial and
+  // total accumulators (3 x 4 x 2); fp32 tiles 4 x 4.
+  const int mr_max = fp8 ? 3 : (bf16 ? 6 : 4);
   auto* decoded =
       static_cast<uint8_t*>(scratch->Reserve(kMaxRowsPerTile * kp * (2 + (bf16 ? 0 : 4))));
   uint16_t* bf16_rows = reinterpret_cast<uint16_t*>(decoded);
@@ -330,7 +334,7 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
       const int mr = static_cast<int>(std::min<int64_t>(mr_max, op.m - i0));
       float* yt = y + i0 * ldy + (nb - n0);
       if (bf16) {
-        const uint16_t* xr[4];
+        const uint16_t* xr[6];
         for (int i = 0; i < mr; ++i) {
           const int64_t r = op.x_rows ? op.x_rows[i0 + i] : i0 + i;
           xr[i] = static_cast<const uint16_t*>(op.x) + r * op.x_stride;
@@ -345,8 +349,14 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
           case 3:
             TileBf16Nr<3>(nr, xr, wrow16, scales, kp, yt, ldy);
             break;
+          case 4:
+            TileBf16Nr<4>(nr, xr, wrow16, nullptr, kp, yt, ldy);
+            break;
+          case 5:
+            TileBf16Nr<5>(nr, xr, wrow16, nullptr, kp, yt, ldy);
+            break;
           default:
-            TileBf16Nr<4>(nr, xr, wrow16, scales, kp, yt, ldy);
+            TileBf16Nr<6>(nr, xr, wrow16, nullptr, kp, yt, ldy);
             break;
         }
       } else {
