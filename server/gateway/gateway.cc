@@ -109,6 +109,8 @@ absl::Status Gateway::Start() {
         absl::StrCat("cannot listen on ", options_.host, ":", options_.port));
   std::lock_guard<std::mutex> lock(health_mu_);
   health_ = server_->GetHealthCheckService();
+  // Named as well as overall (""): probes may ask for the service by name.
+  health_->SetServingStatus("moe.v1.MoeService", ready());
   health_->SetServingStatus(ready());
   return absl::OkStatus();
 }
