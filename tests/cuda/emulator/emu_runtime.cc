@@ -1,0 +1,344 @@
+// The CPU emulator's runtime: kernel launches as fibers, the CUDA runtime and cuBLAS calls the
+// backend makes. See tests/cuda/emulator/README.md.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "cublas_v2.h"
+
+// ---- fibers: a minimal x86-64 System V context switch (callee-saved registers + stack) ------
+extern "C" void emu_switch(void** from_sp, void* to_sp);
+extern "C" void emu_trampoline();
+extern "C" void emu_fiber_entry();
+asm(R"(
+.text
+.globl emu_switch
+emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.globl emu_trampoline
+emu_trampoline:
+  call emu_fiber_entry
+  ud2
+)");
+
+namespace emu {
+
+Block* g_block = nullptr;
+namespace {
+
+std::function<void()>* g_fn = nullptr;
+bool g_used_barrier = false;
+std::map<std::string, bool> g_needs_fibers;  // kernel name -> reaches a barrier
+std::vector<char*> g_stacks;
+constexpr size_t kStack = 256 * 1024;
+
+void Yield() { emu_switch(&g_block->current->sp, g_block->sched_sp); }
+
+int LiveThreads(const Block& b) {
+  int n = 0;
+  for (const Fiber& f : b.fibers) n += !f.done;
+  return n;
+}
+
+int LiveLanes(const Block& b, size_t warp) {
+  int n = 0;
+  for (size_t i = warp * 32; i < b.fibers.size() && i < warp * 32 + 32; ++i) n += !b.fibers[i].done;
+  return n;
+}
+
+void Die(const char* what) {
+  std::fprintf(stderr, "CUDA emulator: %s\n", what);
+  std::abort();
+}
+
+void WarpBarrier(int w) {
+  Block* b = g_block;
+  const int gen = b->warp_generation[w];
+  if (++b->warp_arrived[w] == LiveLanes(*b, w)) {
+    b->warp_arrived[w] = 0;
+    b->warp_generation[w]++;
+    return;
+  }
+  while (b->warp_generation[w] == gen) Yield();
+}
+
+}  // namespace
+
+void SyncThreads() {
+  g_used_barrier = true;
+  Block* b = g_block;
+  if (b->current == nullptr || b->current->sp == reinterpret_cast<void*>(1))
+    Die("__syncthreads outside a fiber");
+  const int gen = b->generation;
+  if (++b->arrived == LiveThreads(*b)) {
+    b->arrived = 0;
+    b->generation++;
+    return;
+  }
+  while (b->generation == gen) Yield();
+}
+
+uint64_t WarpExchange(uint64_t v, int lane_mask) {
+  g_used_barrier = true;
+  Block* b = g_block;
+  if (b->current == nullptr || b->current->sp == reinterpret_cast<void*>(1))
+    Die("warp shuffle outside a fiber");
+  const EmuUint3& t = b->current->tid;
+  const int linear = static_cast<int>(t.x + b->block.x * (t.y + b->block.y * t.z));
+  const int warp = linear / 32, lane = linear % 32;
+  b->slots[warp * 32 + lane] = v;
+  WarpBarrier(warp);
+  const uint64_t r = b->slots[warp * 32 + ((lane ^ lane_mask) & 31)];
+  WarpBarrier(warp);
+  return r;
+}
+
+void LaunchNamed(const char* name, dim3 grid, dim3 block, size_t smem, std::function<void()> fn) {
+  const unsigned threads = block.x * block.y * block.z;
+  if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+      grid.y > 65535 || grid.z > 65535 || smem > 227 * 1024)
+    Die((std::string("invalid launch configuration of ") + name).c_str());
+  auto known = g_needs_fibers.find(name);
+  const bool fibers = known == g_needs_fibers.end() || known->second;
+  g_used_barrier = false;
+  Block b;
+  g_block = &b;
+  b.grid = grid;
+  b.block = block;
+  b.fibers.resize(threads);
+  b.warp_arrived.assign((threads + 31) / 32, 0);
+  b.warp_generation.assign((threads + 31) / 32, 0);
+  b.slots.assign((threads + 31) / 32 * 32, 0);
+  b.dyn_smem.assign(smem + 16, static_cast<char>(0xcd));
+  while (g_stacks.size() < threads) g_stacks.push_back(static_cast<char*>(std::malloc(kStack)));
+  g_fn = &fn;
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        b.bid = {bx, by, bz};
+        b.arrived = 0;
+        std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), static_cast<char>(0xcd));
+        unsigned i = 0;
+        for (unsigned z = 0; z < block.z; ++z)
+          for (unsigned y = 0; y < block.y; ++y)
+            for (unsigned x = 0; x < block.x; ++x, ++i) {
+              b.fibers[i].tid = {x, y, z};
+              b.fibers[i].done = false;
+            }
+        if (!fibers) {  // no barrier in this kernel: threads one after the other
+          for (Fiber& f : b.fibers) {
+            f.sp = reinterpret_cast<void*>(1);  // marks "not a fiber"
+            b.current = &f;
+            fn();
+            f.done = true;
+          }
+          continue;
+        }
+        for (unsigned t = 0; t < threads; ++t) {
+          const auto top = reinterpret_cast<uintptr_t>(g_stacks[t] + kStack) & ~uintptr_t{15};
+          void** sp = reinterpret_cast<void**>(top - 8);
+          *sp = reinterpret_cast<void*>(&emu_trampoline);  // `ret` target, then 6 registers
+          for (int r = 0; r < 6; ++r) *--sp = nullptr;
+          b.fibers[t].sp = sp;
+        }
+        while (true) {
+          bool any = false;
+          for (Fiber& f : b.fibers) {
+            if (f.done) continue;
+            any = true;
+            b.current = &f;
+            emu_switch(&b.sched_sp, f.sp);
+          }
+          if (!any) break;
+          // Barriers whose remaining members all arrived (the others exited).
+          if (b.arrived > 0 && b.arrived == LiveThreads(b)) {
+            b.arrived = 0;
+            b.generation++;
+          }
+          for (size_t w = 0; w < b.warp_arrived.size(); ++w)
+            if (b.warp_arrived[w] > 0 && b.warp_arrived[w] == LiveLanes(b, w)) {
+              b.warp_arrived[w] = 0;
+              b.warp_generation[w]++;
+            }
+        }
+      }
+  if (fibers && known == g_needs_fibers.end()) g_needs_fibers[name] = g_used_barrier;
+  g_block = nullptr;
+}
+
+}  // namespace emu
+
+extern "C" void emu_fiber_entry() {
+  (*emu::g_fn)();
+  emu::g_block->current->done = true;
+  void* unused;
+  emu_switch(&unused, emu::g_block->sched_sp);
+  std::abort();  // never resumed
+}
+
+// ---- the runtime: one emulated sm_90 device, everything synchronous -------------------------
+cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+  if (d != 0) return cudaErrorInvalidDevice;
+  std::snprintf(p->name, sizeof(p->name), "EMULATED sm_90 (CPU)");
+  p->major = 9;
+  p->minor = 0;
+  p->totalGlobalMem = size_t{16} << 30;
+  return cudaSuccess;
+}
+cudaError_t cudaMalloc(void** p, size_t n) {
+  const size_t rounded = (n + 255) / 256 * 256;
+  *p = std::aligned_alloc(256, rounded > 0 ? rounded : 256);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  std::memset(*p, 0xcd, rounded);  // device memory is not zeroed
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) { return cudaMalloc(p, n); }
+cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
+cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) {
+  if (n) std::memmove(d, s, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind k, cudaStream_t) {
+  return cudaMemcpy(d, s, n, k);
+}
+cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h,
+                              cudaMemcpyKind, cudaStream_t) {
+  if (w > dp || w > sp) return cudaErrorInvalidValue;
+  for (size_t r = 0; r < h; ++r)
+    std::memmove(static_cast<char*>(d) + r * dp, static_cast<const char*>(s) + r * sp, w);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t) {
+  std::memset(d, v, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemset2DAsync(void* d, size_t pitch, int v, size_t w, size_t h, cudaStream_t) {
+  if (w > pitch) return cudaErrorInvalidValue;
+  for (size_t r = 0; r < h; ++r) std::memset(static_cast<char*>(d) + r * pitch, v, w);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  *s = reinterpret_cast<cudaStream_t>(new int(1));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  delete reinterpret_cast<int*>(s);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamQuery(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaEventCreate(cudaEvent_t* e) {
+  *e = reinterpret_cast<cudaEvent_t>(new int(1));
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete reinterpret_cast<int*>(e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
+  *ms = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaGetLastError() { return cudaSuccess; }  // invalid launches abort instead
+const char* cudaGetErrorName(cudaError_t) { return "cudaErrorEmulated"; }
+const char* cudaGetErrorString(cudaError_t) { return "error in the CUDA emulator"; }
+
+// ---- cuBLAS: the documented column-major definition, fp32 accumulation in k order ------------
+cublasStatus_t cublasCreate(cublasHandle_t* h) {
+  *h = reinterpret_cast<cublasHandle_t>(new int(1));
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasDestroy(cublasHandle_t h) {
+  delete reinterpret_cast<int*>(h);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetStream(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetPointerMode(cublasHandle_t, cublasPointerMode_t) {
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetMathMode(cublasHandle_t, cublasMath_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetWorkspace(cublasHandle_t, void*, size_t) { return CUBLAS_STATUS_SUCCESS; }
+
+static float LoadElement(const void* p, cudaDataType_t t, long long i) {
+  if (t == CUDA_R_32F) return static_cast<const float*>(p)[i];
+  const uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t, cublasOperation_t ta,
+                                          cublasOperation_t tb, int m, int n, int k,
+                                          const void* alpha, const void* A, cudaDataType_t at,
+                                          int lda, long long sa, const void* B, cudaDataType_t bt,
+                                          int ldb, long long sb, const void* beta, void* C,
+                                          cudaDataType_t ct, int ldc, long long sc, int batch,
+                                          cublasComputeType_t compute, cublasGemmAlgo_t) {
+  if (m < 0 || n < 0 || k < 0 || batch < 0) return CUBLAS_STATUS_INVALID_VALUE;
+  if (lda < std::max(1, ta == CUBLAS_OP_N ? m : k)) return CUBLAS_STATUS_INVALID_VALUE;
+  if (ldb < std::max(1, tb == CUBLAS_OP_N ? k : n)) return CUBLAS_STATUS_INVALID_VALUE;
+  if (ldc < std::max(1, m)) return CUBLAS_STATUS_INVALID_VALUE;
+  if (ct != CUDA_R_32F || at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (at == CUDA_R_32F && compute != CUBLAS_COMPUTE_32F_PEDANTIC) {
+    std::fprintf(stderr, "CUDA emulator: fp32 GEMM must ask for CUBLAS_COMPUTE_32F_PEDANTIC\n");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  const float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
+  for (int bi = 0; bi < batch; ++bi)
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < m; ++i) {
+        float acc = 0;
+        for (int l = 0; l < k; ++l) {
+          const long long ia = ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda
+                                                 : l + static_cast<long long>(i) * lda;
+          const long long ib = tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb
+                                                 : j + static_cast<long long>(l) * ldb;
+          acc = std::fma(LoadElement(A, at, bi * sa + ia), LoadElement(B, bt, bi * sb + ib), acc);
+        }
+        float* c = static_cast<float*>(C) + bi * sc + i + static_cast<long long>(j) * ldc;
+        *c = b == 0 ? a * acc : a * acc + b * *c;
+      }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                            int n, int k, const void* alpha, const void* A, cudaDataType_t at,
+                            int lda, const void* B, cudaDataType_t bt, int ldb, const void* beta,
+                            void* C, cudaDataType_t ct, int ldc, cublasComputeType_t compute,
+                            cublasGemmAlgo_t algo) {
+  return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, A, at, lda, 0, B, bt, ldb, 0, beta,
+                                    C, ct, ldc, 0, 1, compute, algo);
+}
