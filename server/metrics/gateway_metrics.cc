@@ -1,9 +1,9 @@
 #include "server/metrics/gateway_metrics.h"
 
 #include <algorithm>
-#include <exception>
 
 #include "absl/strings/str_cat.h"
+#include "server/metrics/exposer.h"
 
 namespace moe {
 namespace {
@@ -132,15 +132,9 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
 GatewayMetrics::~GatewayMetrics() = default;
 
 absl::Status GatewayMetrics::Serve(const std::string& address) {
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address, 2);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
-  }
-  exposer_->RegisterCollectable(registry_);
-  const auto ports = exposer_->GetListeningPorts();
-  port_ = ports.empty() ? 0 : ports.front();
+  auto exposer = ServeRegistry(registry_, address, 2, &port_);
+  if (!exposer.ok()) return exposer.status();
+  exposer_ = std::move(*exposer);
   return absl::OkStatus();
 }
 

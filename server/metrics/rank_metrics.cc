@@ -1,8 +1,7 @@
 #include "server/metrics/rank_metrics.h"
 
-#include <exception>
-
 #include "absl/strings/str_cat.h"
+#include "server/metrics/exposer.h"
 
 namespace moe {
 
@@ -51,15 +50,9 @@ RankMetrics::RankMetrics() : registry_(std::make_shared<prometheus::Registry>())
 RankMetrics::~RankMetrics() = default;
 
 absl::Status RankMetrics::Serve(const std::string& address) {
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address, 1);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
-  }
-  exposer_->RegisterCollectable(registry_);
-  const auto ports = exposer_->GetListeningPorts();
-  port_ = ports.empty() ? 0 : ports.front();
+  auto exposer = ServeRegistry(registry_, address, 1, &port_);
+  if (!exposer.ok()) return exposer.status();
+  exposer_ = std::move(*exposer);
   return absl::OkStatus();
 }
 
