@@ -321,6 +321,7 @@ int Cluster::StopAll(int exit_code) {
     group_.WaitAll();
     ReportExits();
   }
+  Log("all processes stopped");
   return exit_code;
 }
 

@@ -339,11 +339,16 @@ void ProcessGroup::Wake() {
 }
 
 void ProcessGroup::EmitLine(const Child& child, absl::string_view line) {
-  if (options_.on_line) {
-    options_.on_line(child.name, line);
-  } else {
-    WriteStderrLine(absl::StrCat("[", child.name, "] ", line));
-  }
+  // An overlong line goes out in pieces of max_line_bytes.
+  do {
+    const absl::string_view piece = line.substr(0, line_limit());
+    line.remove_prefix(piece.size());
+    if (options_.on_line) {
+      options_.on_line(child.name, piece);
+    } else {
+      WriteStderrLine(absl::StrCat("[", child.name, "] ", piece));
+    }
+  } while (!line.empty());
 }
 
 void ProcessGroup::DrainOutput(Child& child, size_t max_bytes) {
@@ -366,9 +371,11 @@ void ProcessGroup::DrainOutput(Child& child, size_t max_bytes) {
       EmitLine(child, absl::string_view(child.partial).substr(begin, nl - begin));
     }
     child.partial.erase(0, begin);
-    while (child.partial.size() >= options_.max_line_bytes) {
-      EmitLine(child, absl::string_view(child.partial).substr(0, options_.max_line_bytes));
-      child.partial.erase(0, options_.max_line_bytes);
+    // The whole pieces of an overlong unfinished line need not wait for its newline.
+    const size_t whole = child.partial.size() - child.partial.size() % line_limit();
+    if (whole > 0) {
+      EmitLine(child, absl::string_view(child.partial).substr(0, whole));
+      child.partial.erase(0, whole);
     }
   }
 }

@@ -68,7 +68,7 @@ class ProcessGroup {
     bool new_process_group = true;
     // PR_SET_PDEATHSIG for each child; 0 = none.
     int parent_death_signal = 15;  // SIGTERM
-    // A line longer than this without a newline is forwarded in pieces of this size.
+    // A longer line is forwarded in pieces of this size (> 0), as soon as each piece is there.
     size_t max_line_bytes = 64 * 1024;
   };
 
@@ -115,6 +115,7 @@ class ProcessGroup {
   // flushes the partial last line and closes the pipe. Monitor thread only.
   void DrainOutput(Child& child, size_t max_bytes);
   void EmitLine(const Child& child, absl::string_view line);
+  size_t line_limit() const { return options_.max_line_bytes > 0 ? options_.max_line_bytes : 1; }
   void Wake();
 
   const Options options_;

@@ -179,13 +179,19 @@ TEST(ProcessGroupTest, OverlongLineIsForwardedInPieces) {
   options.max_line_bytes = 1000;
   {
     ProcessGroup group(options);
+    // Written through a pipe in pieces of whatever size, and in one write with its newline.
     ASSERT_TRUE(
-        group.Start("long", Sh("head -c 2500 /dev/zero | tr '\\0' y; echo; echo end")).ok());
+        group.Start("pieces", Sh("head -c 2500 /dev/zero | tr '\\0' y; echo; echo end")).ok());
+    ASSERT_TRUE(group
+                    .Start("one write", Sh("s=$(head -c 2500 /dev/zero | tr '\\0' y); "
+                                           "printf '%s\\nend\\n' \"$s\""))
+                    .ok());
     ASSERT_TRUE(group.WaitAll(absl::Now() + absl::Seconds(10)));
   }
-  EXPECT_EQ(log.Lines("long"),
-            (std::vector<std::string>{std::string(1000, 'y'), std::string(1000, 'y'),
-                                      std::string(500, 'y'), "end"}));
+  const std::vector<std::string> expected = {std::string(1000, 'y'), std::string(1000, 'y'),
+                                             std::string(500, 'y'), "end"};
+  EXPECT_EQ(log.Lines("pieces"), expected);
+  EXPECT_EQ(log.Lines("one write"), expected);
 }
 
 TEST(ProcessGroupTest, ReportsExitCodesAndSignals) {
