@@ -507,7 +507,7 @@ absl::Status CudaBackend::GluActivation(ConstMatrixView g, ConstMatrixView u,
   MOE_CUDA_OP_PROLOGUE();
   CUDA_RETURN_IF_ERROR(cuda::LaunchGluActivation(
       g.data, g.stride, u.data, u.stride, g.rows, g.cols, act, impl_->bf16(p),
-      /*round_inputs=*/false, out.data, out.stride, out.cols, /*out_bf16=*/false, impl_->stream));
+      /*round_inputs=*/true, out.data, out.stride, out.cols, /*out_bf16=*/false, impl_->stream));
   return absl::OkStatus();
 }
 

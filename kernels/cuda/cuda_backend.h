@@ -14,15 +14,16 @@
 //    (<= options.gemv_max_rows rows) skip cuBLAS: a fused GEMV reads the stored format
 //    directly (same per-block scaling). Results equal the CPU's up to fp32 summation order.
 //  * SelectExperts: one block per token; sigmoid/bias/group limit/top-k/renormalize exactly as
-//    CpuBackend::SelectExperts (same comparisons, same fp32 operation sequence); only expf
-//    (CUDA's, <= 2 ulp) differs from glibc's, so ids can differ on near-ties only.
+//    CpuBackend::SelectExperts (same comparisons, same fp32 operation sequence, the
+//    deterministic Sigmoid of core/numerics.h): bitwise the CPU's for the same logits.
 //  * ExpertMlp: gathered operand, per-expert GEMMs (or one grouped GEMV launch for the small
 //    experts), one fused GLU kernel with the contract's roundings, and a combine kernel that
 //    sums fp32(round(o)) * gate in fp64 per row in ascending expert order (no atomics): the
 //    same fp64 sequence as the CPU, so y is bitwise the CPU's whenever o is.
 //  * RmsNorm (fp64 sum of squares), Add, Round, RoundPartials, GatherRows, ScatterAddRows,
-//    Zero, GluActivation: elementwise with the CPU's exact operation sequence, compiled with
-//    --fmad=false (no contraction).
+//    Zero, GluActivation (round(act(round(g), round(u))), core/numerics.h's deterministic
+//    exp/tanh): the CPU's exact operation sequence, compiled with --fmad=false (no
+//    contraction), so bitwise the CPU's (RmsNorm in fp32 mode: to the fp64 summation order).
 //
 // Threading: one op at a time (ops are serialized by a mutex; the stream orders device work).
 // Host arrays (ExpertAssignments, GatherRows/ScatterAddRows row lists) are copied to device

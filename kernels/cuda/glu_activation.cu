@@ -1,9 +1,10 @@
 // GLU activation (SiTU / SiLU) with the contract's roundings, as CpuBackend::GluActivation
 // and the hidden layer of CpuBackend::ExpertMlp: a = round(act(round(g), round(u))).
 //
-// NOTES: the fp32 operation sequence is core/numerics.h GluActivate itself (compiled for the
-// device, no contraction). Only expf / tanhf differ: CUDA's are within 2 ulp, glibc's within
-// 1, so a bf16 result can differ by one bf16 ulp on rare values (tested as a fraction).
+// NOTES: the fp32 operation sequence is core/numerics.h GluActivate itself, compiled for the
+// device without contraction; its exp and tanh (ExpF, TanhF) are fixed sequences of IEEE fp32
+// operations (fmaf, nearbyintf, correctly rounded division), not libm / libdevice calls, so
+// the result is bitwise the CPU backend's.
 #include "kernels/cuda/device_common.cuh"
 
 namespace moe::cuda {

@@ -4,8 +4,9 @@
 // NOTES: the comparisons and the fp32 operation sequence are CpuBackend::SelectExperts':
 // the same group scores (best + second in a sequential scan), the same strict total order
 // (higher biased score first, lower index on ties, NaN last), the same sequential weight sum
-// and division. Only expf (inside Sigmoid) is CUDA's (<= 2 ulp) instead of glibc's, so a
-// choice can differ from the CPU's only where two biased scores are within a few fp32 ulp.
+// and division, and core/numerics.h Sigmoid (a fixed fp32 sequence, no libm). Given the same
+// logits the ids and weights are bitwise the CPU's; the logits themselves come from a GEMM
+// whose fp32 summation order differs, so in a whole layer a choice can differ on near-ties.
 #include <cmath>
 
 #include "kernels/cuda/device_common.cuh"

@@ -7,8 +7,8 @@
 //   bf16 <= 1e-2: both round at the same points; they differ where fp32 summation order
 //                 flips a bf16 rounding (as the CPU-vs-Python reference test allows).
 //   fp32 <= 1e-4: no intermediate rounding, only summation order differs.
-// A token whose expert choice differs (a near-tie: CUDA's expf vs glibc's) is excluded and
-// counted; at most max(1, 2%) of the tokens.
+// A token whose expert choice differs (a near-tie: the router logits come from GEMMs with
+// different fp32 summation orders) is excluded and counted; at most max(1, 2%) of the tokens.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>

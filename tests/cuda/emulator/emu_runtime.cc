@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <memory>
+#include <set>
 #include <string>
 
 #include "cublas_v2.h"
@@ -39,13 +41,14 @@ emu_trampoline:
 
 namespace emu {
 
-Block* g_block = nullptr;
+thread_local Block* g_block = nullptr;
+thread_local std::function<void()>* g_fn = nullptr;
 namespace {
 
-std::function<void()>* g_fn = nullptr;
-bool g_used_barrier = false;
+thread_local bool g_used_barrier = false;
+std::mutex g_needs_fibers_mu;
 std::map<std::string, bool> g_needs_fibers;  // kernel name -> reaches a barrier
-std::vector<char*> g_stacks;
+thread_local std::vector<char*> g_stacks;
 constexpr size_t kStack = 256 * 1024;
 
 void Yield() { emu_switch(&g_block->current->sp, g_block->sched_sp); }
@@ -109,13 +112,18 @@ uint64_t WarpExchange(uint64_t v, int lane_mask) {
   return r;
 }
 
-void LaunchNamed(const char* name, dim3 grid, dim3 block, size_t smem, std::function<void()> fn) {
+void RunKernel(const char* name, dim3 grid, dim3 block, size_t smem, std::function<void()> fn) {
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
       grid.y > 65535 || grid.z > 65535 || smem > 227 * 1024)
     Die((std::string("invalid launch configuration of ") + name).c_str());
-  auto known = g_needs_fibers.find(name);
-  const bool fibers = known == g_needs_fibers.end() || known->second;
+  bool known = false, fibers = true;
+  {
+    std::lock_guard<std::mutex> lock(g_needs_fibers_mu);
+    auto it = g_needs_fibers.find(name);
+    known = it != g_needs_fibers.end();
+    fibers = !known || it->second;
+  }
   g_used_barrier = false;
   Block b;
   g_block = &b;
@@ -178,9 +186,104 @@ void LaunchNamed(const char* name, dim3 grid, dim3 block, size_t smem, std::func
             }
         }
       }
-  if (fibers && known == g_needs_fibers.end()) g_needs_fibers[name] = g_used_barrier;
+  if (fibers && !known) {
+    std::lock_guard<std::mutex> lock(g_needs_fibers_mu);
+    g_needs_fibers[name] = g_used_barrier;
+  }
   g_block = nullptr;
 }
+
+// ---- streams: one worker thread each, running queued work in order --------------------------
+
+Stream::Stream() : worker_([this] { Run(); }) {}
+Stream::~Stream() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+void Stream::Enqueue(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(fn));
+  }
+  cv_.notify_all();
+}
+bool Stream::Idle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.empty() && !busy_;
+}
+void Stream::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+}
+void Stream::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop requested and nothing left
+    std::function<void()> fn = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    fn();
+    lock.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+namespace {
+std::mutex g_streams_mu;
+std::set<Stream*> g_streams;
+}  // namespace
+
+Stream* NewStream() {
+  auto* s = new Stream();
+  std::lock_guard<std::mutex> lock(g_streams_mu);
+  g_streams.insert(s);
+  return s;
+}
+void DeleteStream(Stream* s) {
+  {
+    std::lock_guard<std::mutex> lock(g_streams_mu);
+    g_streams.erase(s);
+  }
+  delete s;  // finishes the queued work first
+}
+void DeviceSynchronize() {
+  std::vector<Stream*> all;
+  {
+    std::lock_guard<std::mutex> lock(g_streams_mu);
+    all.assign(g_streams.begin(), g_streams.end());
+  }
+  for (Stream* s : all) s->Wait();
+}
+// Runs `fn` on `stream` in order (the null stream: now, on the caller's thread).
+void OnStream(void* stream, std::function<void()> fn) {
+  if (stream == nullptr) {
+    fn();
+  } else {
+    static_cast<Stream*>(stream)->Enqueue(std::move(fn));
+  }
+}
+void LaunchNamed(const char* name, void* stream, dim3 grid, dim3 block, size_t smem,
+                 std::function<void()> fn) {
+  std::string n(name);
+  OnStream(stream, [n, grid, block, smem, fn = std::move(fn)] {
+    RunKernel(n.c_str(), grid, block, smem, fn);
+  });
+}
+
+// ---- events ---------------------------------------------------------------------------------
+
+struct Event {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0, completed = 0;
+};
 
 }  // namespace emu
 
@@ -192,7 +295,9 @@ extern "C" void emu_fiber_entry() {
   std::abort();  // never resumed
 }
 
-// ---- the runtime: one emulated sm_90 device, everything synchronous -------------------------
+// ---- the runtime: one emulated sm_90 device --------------------------------------------------
+using emu::OnStream;
+
 cudaError_t cudaGetDeviceCount(int* n) {
   *n = 1;
   return cudaSuccess;
@@ -217,55 +322,104 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   std::memset(*p, 0xcd, rounded);  // device memory is not zeroed
   return cudaSuccess;
 }
+// As on a GPU, freeing waits for the device's queued work.
 cudaError_t cudaFree(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  emu::DeviceSynchronize();
   std::free(p);
   return cudaSuccess;
 }
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) { return cudaMalloc(p, n); }
 cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
 cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) {
+  emu::DeviceSynchronize();
   if (n) std::memmove(d, s, n);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind k, cudaStream_t) {
-  return cudaMemcpy(d, s, n, k);
+cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t st) {
+  OnStream(st, [=] {
+    if (n) std::memmove(d, s, n);
+  });
+  return cudaSuccess;
 }
 cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h,
-                              cudaMemcpyKind, cudaStream_t) {
+                              cudaMemcpyKind, cudaStream_t st) {
   if (w > dp || w > sp) return cudaErrorInvalidValue;
-  for (size_t r = 0; r < h; ++r)
-    std::memmove(static_cast<char*>(d) + r * dp, static_cast<const char*>(s) + r * sp, w);
+  OnStream(st, [=] {
+    for (size_t r = 0; r < h; ++r)
+      std::memmove(static_cast<char*>(d) + r * dp, static_cast<const char*>(s) + r * sp, w);
+  });
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t) {
-  std::memset(d, v, n);
+cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t st) {
+  OnStream(st, [=] { std::memset(d, v, n); });
   return cudaSuccess;
 }
-cudaError_t cudaMemset2DAsync(void* d, size_t pitch, int v, size_t w, size_t h, cudaStream_t) {
+cudaError_t cudaMemset2DAsync(void* d, size_t pitch, int v, size_t w, size_t h, cudaStream_t st) {
   if (w > pitch) return cudaErrorInvalidValue;
-  for (size_t r = 0; r < h; ++r) std::memset(static_cast<char*>(d) + r * pitch, v, w);
+  OnStream(st, [=] {
+    for (size_t r = 0; r < h; ++r) std::memset(static_cast<char*>(d) + r * pitch, v, w);
+  });
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
-  *s = reinterpret_cast<cudaStream_t>(new int(1));
+  *s = reinterpret_cast<cudaStream_t>(emu::NewStream());
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  delete reinterpret_cast<int*>(s);
+  if (s != nullptr) emu::DeleteStream(reinterpret_cast<emu::Stream*>(s));
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamQuery(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  if (s != nullptr) reinterpret_cast<emu::Stream*>(s)->Wait();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+  return s == nullptr || reinterpret_cast<emu::Stream*>(s)->Idle() ? cudaSuccess
+                                                                   : cudaErrorNotReady;
+}
 cudaError_t cudaEventCreate(cudaEvent_t* e) {
-  *e = reinterpret_cast<cudaEvent_t>(new int(1));
+  *e = reinterpret_cast<cudaEvent_t>(new emu::Event());
   return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
-cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  auto* ev = reinterpret_cast<emu::Event*>(e);
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lock(ev->mu);
+    target = ++ev->recorded;
+  }
+  OnStream(s, [ev, target] {
+    std::lock_guard<std::mutex> lock(ev->mu);
+    ev->completed = std::max(ev->completed, target);
+    ev->cv.notify_all();
+  });
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  auto* ev = reinterpret_cast<emu::Event*>(e);
+  std::unique_lock<std::mutex> lock(ev->mu);
+  const uint64_t target = ev->recorded;
+  ev->cv.wait(lock, [&] { return ev->completed >= target; });
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  auto* ev = reinterpret_cast<emu::Event*>(e);
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lock(ev->mu);
+    target = ev->recorded;
+  }
+  OnStream(s, [ev, target] {
+    std::unique_lock<std::mutex> lock(ev->mu);
+    ev->cv.wait(lock, [&] { return ev->completed >= target; });
+  });
+  return cudaSuccess;
+}
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  delete reinterpret_cast<int*>(e);
+  emu::DeviceSynchronize();
+  delete reinterpret_cast<emu::Event*>(e);
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
@@ -277,15 +431,21 @@ const char* cudaGetErrorName(cudaError_t) { return "cudaErrorEmulated"; }
 const char* cudaGetErrorString(cudaError_t) { return "error in the CUDA emulator"; }
 
 // ---- cuBLAS: the documented column-major definition, fp32 accumulation in k order ------------
+struct EmuCublas {
+  cudaStream_t stream = nullptr;
+};
 cublasStatus_t cublasCreate(cublasHandle_t* h) {
-  *h = reinterpret_cast<cublasHandle_t>(new int(1));
+  *h = reinterpret_cast<cublasHandle_t>(new EmuCublas());
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasDestroy(cublasHandle_t h) {
-  delete reinterpret_cast<int*>(h);
+  delete reinterpret_cast<EmuCublas*>(h);
   return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasSetStream(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
+  reinterpret_cast<EmuCublas*>(h)->stream = s;
+  return CUBLAS_STATUS_SUCCESS;
+}
 cublasStatus_t cublasSetPointerMode(cublasHandle_t, cublasPointerMode_t) {
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -300,7 +460,7 @@ static float LoadElement(const void* p, cudaDataType_t t, long long i) {
   return f;
 }
 
-cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t, cublasOperation_t ta,
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
                                           cublasOperation_t tb, int m, int n, int k,
                                           const void* alpha, const void* A, cudaDataType_t at,
                                           int lda, long long sa, const void* B, cudaDataType_t bt,
@@ -317,20 +477,22 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t, cublasOperation_t ta,
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   const float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
-  for (int bi = 0; bi < batch; ++bi)
-    for (int j = 0; j < n; ++j)
-      for (int i = 0; i < m; ++i) {
-        float acc = 0;
-        for (int l = 0; l < k; ++l) {
-          const long long ia = ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda
-                                                 : l + static_cast<long long>(i) * lda;
-          const long long ib = tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb
-                                                 : j + static_cast<long long>(l) * ldb;
-          acc = std::fma(LoadElement(A, at, bi * sa + ia), LoadElement(B, bt, bi * sb + ib), acc);
+  OnStream(reinterpret_cast<EmuCublas*>(h)->stream, [=] {
+    for (int bi = 0; bi < batch; ++bi)
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < m; ++i) {
+          float acc = 0;
+          for (int l = 0; l < k; ++l) {
+            const long long ia = ta == CUBLAS_OP_N ? i + static_cast<long long>(l) * lda
+                                                   : l + static_cast<long long>(i) * lda;
+            const long long ib = tb == CUBLAS_OP_N ? l + static_cast<long long>(j) * ldb
+                                                   : j + static_cast<long long>(l) * ldb;
+            acc = std::fma(LoadElement(A, at, bi * sa + ia), LoadElement(B, bt, bi * sb + ib), acc);
+          }
+          float* c = static_cast<float*>(C) + bi * sc + i + static_cast<long long>(j) * ldc;
+          *c = b == 0 ? a * acc : a * acc + b * *c;
         }
-        float* c = static_cast<float*>(C) + bi * sc + i + static_cast<long long>(j) * ldc;
-        *c = b == 0 ? a * acc : a * acc + b * *c;
-      }
+  });
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -4,14 +4,20 @@
 // Kernels run one block at a time; each CUDA thread of the block is a fiber with its own
 // stack (a minimal x86-64 context switch, no syscalls). __syncthreads and warp shuffles are
 // cooperative barriers; kernels that never reach one run their threads in a plain loop after
-// the first launch. __shared__ variables are function-level statics (blocks are sequential).
-// Streams, events and copies are synchronous; device memory is host memory filled with 0xcd.
+// the first launch. __shared__ variables are function-level thread_local statics (a stream's
+// blocks run one after another on its worker thread). Streams are asynchronous (a worker
+// thread each; copies, kernels, cuBLAS and NCCL calls queue on them); events order them.
+// Device memory is host memory filled with 0xcd.
 #pragma once
 
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 struct dim3 {
@@ -48,14 +54,38 @@ struct Block {
   std::vector<char> dyn_smem;
 };
 
-extern Block* g_block;
+extern thread_local Block* g_block;
 void SyncThreads();
 uint64_t WarpExchange(uint64_t v, int lane_mask);
-void LaunchNamed(const char* name, dim3 grid, dim3 block, size_t smem, std::function<void()> fn);
-template <typename Stream>
-void Launch(const char* name, dim3 grid, dim3 block, size_t smem, Stream,
+
+// A stream: a worker thread that runs queued work in order.
+class Stream {
+ public:
+  Stream();
+  ~Stream();  // runs what is queued, then stops
+  void Enqueue(std::function<void()> fn);
+  bool Idle();
+  void Wait();
+
+ private:
+  void Run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool busy_ = false, stop_ = false;
+  std::thread worker_;
+};
+Stream* NewStream();
+void DeleteStream(Stream* s);
+void DeviceSynchronize();
+void OnStream(void* stream, std::function<void()> fn);
+
+void LaunchNamed(const char* name, void* stream, dim3 grid, dim3 block, size_t smem,
+                 std::function<void()> fn);
+template <typename StreamHandle>
+void Launch(const char* name, dim3 grid, dim3 block, size_t smem, StreamHandle stream,
             std::function<void()> fn) {
-  LaunchNamed(name, grid, block, smem, std::move(fn));
+  LaunchNamed(name, static_cast<void*>(stream), grid, block, smem, std::move(fn));
 }
 template <typename T>
 T* DynamicShared() {
@@ -73,7 +103,7 @@ T* DynamicShared() {
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static thread_local
 
 inline void __syncthreads() { ::emu::SyncThreads(); }
 template <typename T>
