@@ -279,6 +279,12 @@ class Checker:
             self.f.check(annotations.get("prometheus.io/scrape") == "true",
                          f"{where}: pod template lacks the annotation prometheus.io/scrape: \"true\"")
             host_network = bool(pod.get("hostNetwork"))
+            if host_network or pod.get("hostIPC"):
+                ns = [d for _, d in self.of_kind("Namespace") if d["metadata"]["name"] == self.namespace]
+                level = ((ns[0]["metadata"].get("labels") or {}).get("pod-security.kubernetes.io/enforce")
+                         if ns else None)
+                self.f.check(level == "privileged", f"{where}: hostNetwork/hostIPC pods need the namespace's "
+                             f"pod-security.kubernetes.io/enforce: privileged (is {level})")
             if host_network:
                 self.f.check(pod.get("dnsPolicy") == "ClusterFirstWithHostNet",
                              f"{where}: hostNetwork needs dnsPolicy ClusterFirstWithHostNet to resolve Services")
