@@ -17,7 +17,7 @@ PACKAGES=(
   # independent reference, python client, plots
   python3 python3-torch python3-numpy python3-grpcio python3-protobuf python3-matplotlib gnuplot-nox
   # observability and deployment checks
-  prometheus yamllint docker-compose
+  prometheus yamllint docker-compose python3-yaml
   # tooling
   clang-format curl procps
 )
