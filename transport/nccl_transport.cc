@@ -148,6 +148,7 @@ class PinnedMem {
 class Comm {
  public:
   ~Comm() {
+    cuda::ScopedDevice guard(device_);
     if (comm_ != nullptr) ncclCommAbort(comm_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);  // released once its work is done
   }
@@ -161,7 +162,10 @@ class Comm {
                      "); the gateway and every rank must build a new one"));
   }
 
-  absl::Status Init(const std::string& unique_id, int world, int rank, absl::Time deadline) {
+  // On `device` (the caller has made it current).
+  absl::Status Init(const std::string& unique_id, int device, int world, int rank,
+                    absl::Time deadline) {
+    device_ = device;
     if (unique_id.size() != sizeof(ncclUniqueId))
       return absl::InvalidArgumentError(absl::StrCat("NCCL unique id has ", unique_id.size(),
                                                      " bytes, expected ", sizeof(ncclUniqueId)));
@@ -254,6 +258,7 @@ class Comm {
     return s;
   }
 
+  int device_ = 0;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   bool broken_ = false;
@@ -275,7 +280,6 @@ struct NcclGatewayTransport::State {
   NcclGatewayOptions options;
   int device = 0;
   cudaStream_t backend_stream = nullptr;
-  Comm comm;
   cudaEvent_t ready = nullptr;  // the backend's queued work, as the step starts
   std::mutex mu;
 
@@ -289,6 +293,7 @@ struct NcclGatewayTransport::State {
   bool in_flight = false;
   uint64_t in_flight_step = 0;
   bool shut_down = false;
+  Comm comm;  // last: destroyed (aborted if still alive) before the buffers it may use
 
   ~State() {
     if (ready != nullptr) cudaEventDestroy(ready);
@@ -345,8 +350,8 @@ absl::StatusOr<std::unique_ptr<NcclGatewayTransport>> NcclGatewayTransport::Crea
   RETURN_IF_ERROR(state->headers.Ensure(sizeof(StepHeader) * options.num_ranks));
   RETURN_IF_ERROR(state->host_headers.Ensure(sizeof(StepHeader) * options.num_ranks));
   RETURN_IF_ERROR(state->host_replies.Ensure(sizeof(ReplyHeader) * options.num_ranks));
-  RETURN_IF_ERROR_CTX(state->comm.Init(options.unique_id, options.num_ranks + 1, options.num_ranks,
-                                       absl::Now() + options.init_timeout),
+  RETURN_IF_ERROR_CTX(state->comm.Init(options.unique_id, state->device, options.num_ranks + 1,
+                                       options.num_ranks, absl::Now() + options.init_timeout),
                       "NCCL gateway");
   return std::unique_ptr<NcclGatewayTransport>(new NcclGatewayTransport(std::move(state)));
 }
@@ -608,7 +613,6 @@ struct NcclRankTransport::State {
   NcclRankOptions options;
   int device = 0;
   cudaStream_t backend_stream = nullptr;
-  Comm comm;
   cudaEvent_t ready = nullptr;
   std::mutex mu;
   std::atomic<bool> cancel{false};
@@ -620,6 +624,7 @@ struct NcclRankTransport::State {
   uint64_t pending_step = 0;
   int64_t pending_rows = 0, pending_width = 0;
   bool shut_down = false;
+  Comm comm;  // last: destroyed (aborted if still alive) before the buffers it may use
 
   ~State() {
     if (ready != nullptr) cudaEventDestroy(ready);
@@ -647,8 +652,8 @@ absl::StatusOr<std::unique_ptr<NcclRankTransport>> NcclRankTransport::Create(
   RETURN_IF_ERROR(state->reply.Ensure(sizeof(ReplyHeader)));
   RETURN_IF_ERROR(state->host_header.Ensure(sizeof(StepHeader)));
   RETURN_IF_ERROR(state->host_reply.Ensure(sizeof(ReplyHeader)));
-  RETURN_IF_ERROR_CTX(state->comm.Init(options.unique_id, options.num_ranks + 1, options.rank,
-                                       absl::Now() + options.init_timeout),
+  RETURN_IF_ERROR_CTX(state->comm.Init(options.unique_id, state->device, options.num_ranks + 1,
+                                       options.rank, absl::Now() + options.init_timeout),
                       absl::StrCat("NCCL rank ", options.rank));
   return std::unique_ptr<NcclRankTransport>(new NcclRankTransport(std::move(state)));
 }
