@@ -247,6 +247,11 @@ absl::StatusOr<pid_t> ProcessGroup::Start(const std::string& name,
   child->pidfd = OpenPidfd(pid);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {
+      // StopAll began while this child was starting: it missed the SIGTERM.
+      child->signalled = true;
+      if (!options_.new_process_group || kill(-pid, SIGTERM) != 0) kill(pid, SIGTERM);
+    }
     children_.push_back(std::move(child));
     ++running_;
   }
