@@ -8,7 +8,12 @@
 //     random data).
 //
 //   moe-bench-gpu --checkpoint DIR [--tokens 1,16,64,256,1024,4096] [--layer L]
-//                 [--dtype bf16|fp32] [--warmup 3] [--repeat 10] [--gemv-max-rows N] [--json]
+//                 [--dtype bf16|fp32] [--warmup 3] [--repeat 10] [--gemv-max-rows N[,N...]]
+//                 [--json]
+//
+// --gemv-max-rows with several values times every token count once per value (the largest
+// per-expert batch that takes the fused GEMV path instead of dequantize + cuBLAS; 0 = cuBLAS
+// only), on the same uploaded weights.
 //
 // Times are CUDA events around LocalMoeLayer::Forward on the backend's stream (host input
 // upload, routing round trip and output download included, as served), median of --repeat
@@ -18,6 +23,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <set>
@@ -40,18 +46,24 @@ namespace moe {
 namespace {
 
 struct Options {
-  std::string checkpoint, tokens = "1,16,64,256,1024,4096", dtype = "bf16";
-  int layer = -1, warmup = 3, repeat = 10, device = 0, gemv_max_rows = -1;
+  std::string checkpoint, tokens = "1,16,64,256,1024,4096", dtype = "bf16", gemv_max_rows;
+  int layer = -1, warmup = 3, repeat = 10, device = 0, gemm_size = 8192, copy_mib = 2048;
   bool json = false;
 };
 
 struct Row {
+  int gemv_max_rows = 0;
   int64_t tokens = 0;
   double median_ms = 0, min_ms = 0;
   int experts = 0;
   int64_t weight_bytes = 0;
   double weight_gbps = 0, weight_pct = 0, tflops = 0, tflops_pct = 0;
 };
+
+// A JSON number (null when not finite: JSON has no inf or NaN).
+std::string Num(double v, int decimals) {
+  return std::isfinite(v) ? absl::StrFormat("%.*f", decimals, v) : "null";
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -86,8 +98,7 @@ absl::StatusOr<std::vector<double>> TimeOnStream(cudaStream_t stream, int warmup
 }
 
 // Device-to-device copy bandwidth in GB/s, counting bytes read + written.
-absl::StatusOr<double> MeasureCopyBandwidth(cudaStream_t stream) {
-  const size_t bytes = size_t{2} << 30;
+absl::StatusOr<double> MeasureCopyBandwidth(cudaStream_t stream, size_t bytes) {
   void *a = nullptr, *b = nullptr;
   CUDA_RETURN_IF_ERROR(cudaMalloc(&a, bytes));
   CUDA_RETURN_IF_ERROR(cudaMalloc(&b, bytes));
@@ -149,8 +160,15 @@ absl::Status Run(const Options& opt) {
   }
   CudaBackendOptions bo;
   bo.device = opt.device;
-  if (opt.gemv_max_rows >= 0) bo.gemv_max_rows = opt.gemv_max_rows;
   ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(bo));
+  std::vector<int> gemv_variants;
+  for (absl::string_view t : absl::StrSplit(opt.gemv_max_rows, ',', absl::SkipEmpty())) {
+    int v;
+    if (!absl::SimpleAtoi(t, &v) || v < 0)
+      return absl::InvalidArgumentError(absl::StrCat("--gemv-max-rows: bad value '", t, "'"));
+    gemv_variants.push_back(v);
+  }
+  if (gemv_variants.empty()) gemv_variants.push_back(backend->options().gemv_max_rows);
   cudaStream_t stream = backend->stream();
   FILE* table = opt.json ? stderr : stdout;
 
@@ -173,15 +191,16 @@ absl::Status Run(const Options& opt) {
   std::fprintf(table, "moe-bench-gpu: %s layer %d (%d experts, top-%d, %s experts), %s, %s\n",
                ModelFamilyName(config.family), layer, E, config.routing.top_k,
                WeightFormatName(config.expert_format), opt.dtype.c_str(), backend->name().c_str());
-  std::fprintf(table, "  weights on device: %.2f GB, loaded in %.1f s; GEMV path up to %d rows\n",
-               backend->weight_bytes() / 1e9, load_s, backend->options().gemv_max_rows);
+  std::fprintf(table, "  weights on device: %.2f GB, loaded in %.1f s\n",
+               backend->weight_bytes() / 1e9, load_s);
 
-  ASSIGN_OR_RETURN(const double copy_gbps, MeasureCopyBandwidth(stream));
-  ASSIGN_OR_RETURN(const double gemm_tflops, MeasureGemmPeak(stream, 8192));
+  ASSIGN_OR_RETURN(const double copy_gbps,
+                   MeasureCopyBandwidth(stream, static_cast<size_t>(opt.copy_mib) << 20));
+  ASSIGN_OR_RETURN(const double gemm_tflops, MeasureGemmPeak(stream, opt.gemm_size));
   std::fprintf(table,
-               "  ceilings: device copy %.0f GB/s (read + write), cuBLAS bf16 GEMM %.0f "
-               "TFLOP/s (8192^3, random data)\n",
-               copy_gbps, gemm_tflops);
+               "  ceilings: device copy %.0f GB/s (read + write, %d MiB), cuBLAS bf16 GEMM %.0f "
+               "TFLOP/s (%d^3, random data)\n",
+               copy_gbps, opt.copy_mib, gemm_tflops, opt.gemm_size);
 
   // FLOPs per token: router, latent projections, shared MLP, top_k routed experts.
   const double H = static_cast<double>(config.hidden_size);
@@ -192,53 +211,60 @@ absl::Status Run(const Options& opt) {
   flops_per_token += 2.0 * 3.0 * H * static_cast<double>(config.shared_hidden_size());
 
   std::vector<Row> rows;
-  std::fprintf(table, "\n%8s %10s %10s %8s %12s %10s %8s %9s %8s\n", "tokens", "median_ms",
-               "min_ms", "experts", "weights_MB", "GB/s", "%copy", "TFLOP/s", "%gemm");
-  for (int64_t T : token_counts) {
-    std::mt19937 rng(static_cast<uint32_t>(T));
-    std::normal_distribution<float> normal(0, 1);
-    std::vector<float> x(T * config.hidden_size), y(x.size());
-    for (auto& v : x) v = normal(rng);
-    Routing routing;
-    ASSIGN_OR_RETURN(std::vector<double> ms, TimeOnStream(stream, opt.warmup, opt.repeat, [&]() {
-                       return local->Forward(x.data(), T, precision, y.data(), &routing);
-                     }));
-    Row r;
-    r.tokens = T;
-    r.median_ms = Median(ms);
-    r.min_ms = *std::min_element(ms.begin(), ms.end());
-    r.experts = static_cast<int>(std::set<int32_t>(routing.ids.begin(), routing.ids.end()).size());
-    r.weight_bytes = gateway_bytes + r.experts * expert_bytes;
-    r.weight_gbps = r.weight_bytes / (r.median_ms * 1e-3) / 1e9;
-    r.weight_pct = 100.0 * r.weight_gbps / copy_gbps;
-    r.tflops = flops_per_token * T / (r.median_ms * 1e-3) / 1e12;
-    r.tflops_pct = 100.0 * r.tflops / gemm_tflops;
-    rows.push_back(r);
-    std::fprintf(table, "%8lld %10.3f %10.3f %8d %12.1f %10.0f %7.1f%% %9.1f %7.1f%%\n",
-                 static_cast<long long>(T), r.median_ms, r.min_ms, r.experts, r.weight_bytes / 1e6,
-                 r.weight_gbps, r.weight_pct, r.tflops, r.tflops_pct);
-    std::fflush(table);
+  for (int gemv : gemv_variants) {
+    backend->set_gemv_max_rows(gemv);
+    std::fprintf(table, "\nGEMV path up to %d rows per expert%s\n", gemv,
+                 gemv == 0 ? " (off: dequantize + cuBLAS only)" : "");
+    std::fprintf(table, "%8s %10s %10s %8s %12s %10s %8s %9s %8s\n", "tokens", "median_ms",
+                 "min_ms", "experts", "weights_MB", "GB/s", "%copy", "TFLOP/s", "%gemm");
+    for (int64_t T : token_counts) {
+      std::mt19937 rng(static_cast<uint32_t>(T));
+      std::normal_distribution<float> normal(0, 1);
+      std::vector<float> x(T * config.hidden_size), y(x.size());
+      for (auto& v : x) v = normal(rng);
+      Routing routing;
+      ASSIGN_OR_RETURN(std::vector<double> ms, TimeOnStream(stream, opt.warmup, opt.repeat, [&]() {
+                         return local->Forward(x.data(), T, precision, y.data(), &routing);
+                       }));
+      Row r;
+      r.gemv_max_rows = gemv;
+      r.tokens = T;
+      r.median_ms = Median(ms);
+      r.min_ms = *std::min_element(ms.begin(), ms.end());
+      r.experts =
+          static_cast<int>(std::set<int32_t>(routing.ids.begin(), routing.ids.end()).size());
+      r.weight_bytes = gateway_bytes + r.experts * expert_bytes;
+      r.weight_gbps = r.weight_bytes / (r.median_ms * 1e-3) / 1e9;
+      r.weight_pct = 100.0 * r.weight_gbps / copy_gbps;
+      r.tflops = flops_per_token * T / (r.median_ms * 1e-3) / 1e12;
+      r.tflops_pct = 100.0 * r.tflops / gemm_tflops;
+      rows.push_back(r);
+      std::fprintf(table, "%8lld %10.3f %10.3f %8d %12.1f %10.0f %7.1f%% %9.1f %7.1f%%\n",
+                   static_cast<long long>(T), r.median_ms, r.min_ms, r.experts,
+                   r.weight_bytes / 1e6, r.weight_gbps, r.weight_pct, r.tflops, r.tflops_pct);
+      std::fflush(table);
+    }
   }
   if (opt.json) {
     std::string out = absl::StrFormat(
         "{\n  \"device\": \"%s\",\n  \"model\": \"%s\",\n  \"layer\": %d,\n  \"dtype\": \"%s\",\n"
         "  \"experts\": %d,\n  \"top_k\": %d,\n  \"expert_format\": \"%s\",\n"
-        "  \"gemv_max_rows\": %d,\n  \"load_seconds\": %.3f,\n  \"copy_gbps\": %.1f,\n"
-        "  \"gemm_tflops\": %.1f,\n  \"expert_bytes\": %lld,\n  \"gateway_bytes\": %lld,\n"
-        "  \"rows\": [",
+        "  \"load_seconds\": %s,\n  \"copy_gbps\": %s,\n  \"gemm_tflops\": %s,\n"
+        "  \"expert_bytes\": %lld,\n  \"gateway_bytes\": %lld,\n  \"rows\": [",
         backend->name(), ModelFamilyName(config.family), layer, opt.dtype, E, config.routing.top_k,
-        WeightFormatName(config.expert_format), backend->options().gemv_max_rows, load_s, copy_gbps,
-        gemm_tflops, static_cast<long long>(expert_bytes), static_cast<long long>(gateway_bytes));
+        WeightFormatName(config.expert_format), Num(load_s, 3), Num(copy_gbps, 1),
+        Num(gemm_tflops, 1), static_cast<long long>(expert_bytes),
+        static_cast<long long>(gateway_bytes));
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       absl::StrAppendFormat(
           &out,
-          "%s\n    {\"tokens\": %lld, \"median_ms\": %.4f, \"min_ms\": %.4f, \"experts\": %d, "
-          "\"weight_bytes\": %lld, \"weight_gbps\": %.1f, \"weight_pct_of_copy\": %.2f, "
-          "\"tflops\": %.2f, \"tflops_pct_of_gemm\": %.2f}",
-          i ? "," : "", static_cast<long long>(r.tokens), r.median_ms, r.min_ms, r.experts,
-          static_cast<long long>(r.weight_bytes), r.weight_gbps, r.weight_pct, r.tflops,
-          r.tflops_pct);
+          "%s\n    {\"gemv_max_rows\": %d, \"tokens\": %lld, \"median_ms\": %s, "
+          "\"min_ms\": %s, \"experts\": %d, \"weight_bytes\": %lld, \"weight_gbps\": %s, "
+          "\"weight_pct_of_copy\": %s, \"tflops\": %s, \"tflops_pct_of_gemm\": %s}",
+          i ? "," : "", r.gemv_max_rows, static_cast<long long>(r.tokens), Num(r.median_ms, 4),
+          Num(r.min_ms, 4), r.experts, static_cast<long long>(r.weight_bytes),
+          Num(r.weight_gbps, 1), Num(r.weight_pct, 2), Num(r.tflops, 2), Num(r.tflops_pct, 2));
     }
     out += "\n  ]\n}\n";
     std::fputs(out.c_str(), stdout);
@@ -263,13 +289,20 @@ int main(int argc, char** argv) {
   flags.Int("warmup", &opt.warmup, "untimed forwards per token count");
   flags.Int("repeat", &opt.repeat, "timed forwards per token count (the median is reported)");
   flags.Int("device", &opt.device, "CUDA device");
-  flags.Int("gemv-max-rows", &opt.gemv_max_rows,
-            "largest per-expert batch for the fused GEMV path (-1: the backend's default)");
+  flags.String("gemv-max-rows", &opt.gemv_max_rows,
+               "largest per-expert batch for the fused GEMV path; a list times each (default: "
+               "the backend's, 8; 0: dequantize + cuBLAS only)");
+  flags.Int("gemm-size", &opt.gemm_size, "n of the n^3 bf16 GEMM that measures the peak");
+  flags.Int("copy-mib", &opt.copy_mib, "buffer size of the copy-bandwidth measurement");
   flags.Bool("json", &opt.json, "print JSON on stdout (the table goes to stderr)");
   flags.Require("checkpoint");
   flags.ParseOrExit(argc, argv);
   if (opt.repeat < 1) opt.repeat = 1;
   if (opt.warmup < 0) opt.warmup = 0;
+  if (opt.gemm_size < 256 || opt.copy_mib < 1) {
+    std::fprintf(stderr, "moe-bench-gpu: --gemm-size >= 256 and --copy-mib >= 1\n");
+    return 2;
+  }
   if (absl::Status s = moe::Run(opt); !s.ok()) {
     std::fprintf(stderr, "moe-bench-gpu: %s\n", s.ToString().c_str());
     return 1;

@@ -347,6 +347,10 @@ std::string CudaBackend::name() const { return impl_->description; }
 int CudaBackend::device() const { return impl_->options.device; }
 CUstream_st* CudaBackend::stream() const { return impl_->stream; }
 const CudaBackendOptions& CudaBackend::options() const { return impl_->options; }
+void CudaBackend::set_gemv_max_rows(int rows) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->options.gemv_max_rows = std::max(0, rows);
+}
 int64_t CudaBackend::weight_bytes() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->weight_bytes;

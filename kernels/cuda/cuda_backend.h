@@ -75,6 +75,9 @@ class CudaBackend final : public Backend {
   // after it with events.
   CUstream_st* stream() const;
   const CudaBackendOptions& options() const;
+  // Changes options().gemv_max_rows for the following ops (benchmarks compare both paths on
+  // one set of uploaded weights).
+  void set_gemv_max_rows(int rows);
   // Bytes of device memory held by prepared weights.
   int64_t weight_bytes() const;
 

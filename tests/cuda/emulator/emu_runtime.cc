@@ -1,6 +1,7 @@
 // The CPU emulator's runtime: kernel launches as fibers, the CUDA runtime and cuBLAS calls the
 // backend makes. See tests/cuda/emulator/README.md.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -283,6 +284,7 @@ struct Event {
   std::mutex mu;
   std::condition_variable cv;
   uint64_t recorded = 0, completed = 0;
+  std::chrono::steady_clock::time_point when;  // of the last completion
 };
 
 }  // namespace emu
@@ -393,6 +395,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   OnStream(s, [ev, target] {
     std::lock_guard<std::mutex> lock(ev->mu);
     ev->completed = std::max(ev->completed, target);
+    ev->when = std::chrono::steady_clock::now();
     ev->cv.notify_all();
   });
   return cudaSuccess;
@@ -422,8 +425,13 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
   delete reinterpret_cast<emu::Event*>(e);
   return cudaSuccess;
 }
-cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
-  *ms = 0;
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t stop) {
+  auto* a = reinterpret_cast<emu::Event*>(start);
+  auto* b = reinterpret_cast<emu::Event*>(stop);
+  std::lock_guard<std::mutex> la(a->mu);
+  std::lock_guard<std::mutex> lb(b->mu);
+  if (a->completed == 0 || b->completed == 0) return cudaErrorNotReady;
+  *ms = std::chrono::duration<float, std::milli>(b->when - a->when).count();
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError() { return cudaSuccess; }  // invalid launches abort instead
@@ -471,7 +479,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
   if (lda < std::max(1, ta == CUBLAS_OP_N ? m : k)) return CUBLAS_STATUS_INVALID_VALUE;
   if (ldb < std::max(1, tb == CUBLAS_OP_N ? k : n)) return CUBLAS_STATUS_INVALID_VALUE;
   if (ldc < std::max(1, m)) return CUBLAS_STATUS_INVALID_VALUE;
-  if (ct != CUDA_R_32F || at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (at != bt || (ct == CUDA_R_16BF && at != CUDA_R_16BF)) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (at == CUDA_R_32F && compute != CUBLAS_COMPUTE_32F_PEDANTIC) {
     std::fprintf(stderr, "CUDA emulator: fp32 GEMM must ask for CUBLAS_COMPUTE_32F_PEDANTIC\n");
     return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -489,8 +497,17 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                                                    : j + static_cast<long long>(l) * ldb;
             acc = std::fma(LoadElement(A, at, bi * sa + ia), LoadElement(B, bt, bi * sb + ib), acc);
           }
-          float* c = static_cast<float*>(C) + bi * sc + i + static_cast<long long>(j) * ldc;
-          *c = b == 0 ? a * acc : a * acc + b * *c;
+          const long long at_c = bi * sc + i + static_cast<long long>(j) * ldc;
+          if (ct == CUDA_R_32F) {
+            float* c = static_cast<float*>(C) + at_c;
+            *c = b == 0 ? a * acc : a * acc + b * *c;
+          } else {  // bf16 output, rounded to nearest even
+            const float v = b == 0 ? a * acc : a * acc + b * LoadElement(C, CUDA_R_16BF, at_c);
+            uint32_t u;
+            std::memcpy(&u, &v, 4);
+            u += 0x7fffu + ((u >> 16) & 1u);
+            static_cast<uint16_t*>(C)[at_c] = static_cast<uint16_t>(u >> 16);
+          }
         }
   });
   return CUBLAS_STATUS_SUCCESS;
