@@ -307,7 +307,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Op
   ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
                    SafetensorsFile::Open(JoinPath(dir, candidates[0])));
   for (const auto& [name, info] : file->tensors()) ckpt->weight_map_[name] = candidates[0];
-  absl::MutexLock lock(&ckpt->shards_mu_);
+  std::lock_guard<std::mutex> lock(ckpt->shards_mu_);
   ckpt->shards_[candidates[0]] = std::move(file);
   return ckpt;
 }
@@ -325,7 +325,7 @@ std::vector<std::string> SafetensorsCheckpoint::TensorNames() const {
 
 absl::StatusOr<const SafetensorsFile*> SafetensorsCheckpoint::Shard(
     const std::string& file_name) const {
-  absl::MutexLock lock(&shards_mu_);
+  std::lock_guard<std::mutex> lock(shards_mu_);
   auto it = shards_.find(file_name);
   if (it != shards_.end()) return it->second.get();
   // Opening under the lock: only the header is read, and concurrent loaders of the same

@@ -7,12 +7,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
 
@@ -82,7 +82,8 @@ class SafetensorsCheckpoint {
   absl::StatusOr<const SafetensorsFile*> Shard(const std::string& file_name) const;
   std::string dir_;
   std::map<std::string, std::string> weight_map_;  // tensor -> shard file name
-  mutable absl::Mutex shards_mu_;
+  // std::mutex (not absl::Mutex): visible to ThreadSanitizer with Debian's uninstrumented Abseil.
+  mutable std::mutex shards_mu_;
   // Opened shards by file name; entries are never removed, so pointers to them stay valid.
   mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> shards_
       ABSL_GUARDED_BY(shards_mu_);

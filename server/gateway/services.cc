@@ -79,7 +79,7 @@ grpc::Status MoeServiceImpl::ForwardOnce(grpc::ServerContext* context,
   if (!call.ok()) return ToGrpcStatus(call.status());
   if (absl::Status s = gateway_->batcher().Submit(*call); !s.ok()) return ToGrpcStatus(s);
   // Wait for the step, watching for the client going away.
-  while (!(*call)->done.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
+  while (!(*call)->done.WaitFor(absl::Milliseconds(20))) {
     if (context->IsCancelled()) {
       (*call)->cancelled = true;
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
