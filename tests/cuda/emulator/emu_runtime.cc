@@ -1,5 +1,8 @@
 // The CPU emulator's runtime: kernel launches as fibers, the CUDA runtime and cuBLAS calls the
 // backend makes. See tests/cuda/emulator/README.md.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -317,18 +320,37 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
   p->totalGlobalMem = size_t{16} << 30;
   return cudaSuccess;
 }
+// Device memory: its own mapping, ending at an inaccessible guard page, so that reading or
+// writing past the end of an allocation (by more than its 256-byte alignment slack) faults.
+namespace {
+std::mutex g_alloc_mu;
+std::map<void*, std::pair<void*, size_t>> g_allocations;  // pointer -> (mapping, length)
+}  // namespace
+
 cudaError_t cudaMalloc(void** p, size_t n) {
-  const size_t rounded = (n + 255) / 256 * 256;
-  *p = std::aligned_alloc(256, rounded > 0 ? rounded : 256);
-  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t rounded = (std::max<size_t>(n, 1) + 255) / 256 * 256;
+  const size_t data_pages = (rounded + page - 1) / page * page;
+  void* base =
+      mmap(nullptr, data_pages + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return cudaErrorMemoryAllocation;
+  char* guard = static_cast<char*>(base) + data_pages;
+  mprotect(guard, page, PROT_NONE);
+  *p = guard - rounded;
   std::memset(*p, 0xcd, rounded);  // device memory is not zeroed
+  std::lock_guard<std::mutex> lock(g_alloc_mu);
+  g_allocations[*p] = {base, data_pages + page};
   return cudaSuccess;
 }
 // As on a GPU, freeing waits for the device's queued work.
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
   emu::DeviceSynchronize();
-  std::free(p);
+  std::lock_guard<std::mutex> lock(g_alloc_mu);
+  auto it = g_allocations.find(p);
+  if (it == g_allocations.end()) return cudaErrorInvalidValue;
+  munmap(it->second.first, it->second.second);
+  g_allocations.erase(it);
   return cudaSuccess;
 }
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) { return cudaMalloc(p, n); }
