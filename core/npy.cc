@@ -110,7 +110,7 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
 
   if (descr == "<f4") {
     out.data.resize(n);
-    std::memcpy(out.data.data(), payload, n * 4);
+    if (n > 0) std::memcpy(out.data.data(), payload, n * 4);
   } else if (descr == "<f2") {
     out.data.resize(n);
     for (int64_t i = 0; i < n; ++i) {
@@ -132,7 +132,7 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
           descr == "|i1" ? static_cast<int8_t>(payload[i]) : static_cast<uint8_t>(payload[i]);
   } else if (descr == "<i4") {
     out.ints.resize(n);
-    std::memcpy(out.ints.data(), payload, n * 4);
+    if (n > 0) std::memcpy(out.ints.data(), payload, n * 4);
   } else {
     out.ints.resize(n);
     for (int64_t i = 0; i < n; ++i) {

@@ -64,7 +64,7 @@ absl::StatusOr<HostTensor> DecodeTensor(const moe::v1::Tensor& tensor, const cha
   const char* p = tensor.data().data();
   switch (tensor.dtype()) {
     case moe::v1::FP32:
-      std::memcpy(out.values.data(), p, n * 4);
+      if (n > 0) std::memcpy(out.values.data(), p, n * 4);  // empty vectors may have no storage
       break;
     case moe::v1::BF16:
       for (int64_t i = 0; i < n; ++i) {
@@ -100,7 +100,7 @@ absl::Status EncodeTensor(const float* values, const std::vector<int64_t>& shape
   char* p = data->data();
   switch (dtype) {
     case moe::v1::FP32:
-      std::memcpy(p, values, n * 4);
+      if (n > 0) std::memcpy(p, values, n * 4);  // an empty tensor may come with no values
       break;
     case moe::v1::BF16:
       for (int64_t i = 0; i < n; ++i) {

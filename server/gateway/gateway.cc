@@ -11,7 +11,15 @@
 #include "core/status.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/backend_factory.h"
 #include "server/gateway/services.h"
+
+#if defined(MOE_HAVE_NCCL_TRANSPORT)
+#include <thread>
+
+#include "kernels/cuda/cuda_backend.h"
+#include "transport/nccl_transport.h"
+#endif
 
 namespace moe {
 namespace {
@@ -25,9 +33,13 @@ std::string NewSession() {
 
 absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options) {
   if (options.num_ranks < 1) return absl::InvalidArgumentError("--ranks must be at least 1");
-  if (options.transport != "grpc")
-    return absl::UnimplementedError(
-        absl::StrCat("transport '", options.transport, "' is not available in this build (grpc)"));
+  if (options.transport != "grpc" && options.transport != "nccl")
+    return absl::InvalidArgumentError(absl::StrCat("unknown transport '", options.transport, "' (grpc, nccl)"));
+  if (!TransportBuilt(options.transport))
+    return absl::UnimplementedError(absl::StrCat("transport '", options.transport,
+                                                 "' is not available in this build (built without CUDA/NCCL)"));
+  if (options.transport == "nccl" && options.backend != "cuda")
+    return absl::InvalidArgumentError("--transport nccl needs --backend cuda (NCCL moves device memory)");
   std::unique_ptr<Gateway> gateway(new Gateway(options));
   ASSIGN_OR_RETURN(gateway->checkpoint_, Checkpoint::Open(options.checkpoint));
   const MoeConfig& config = gateway->checkpoint_->config();
@@ -57,13 +69,22 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
     placement = ExpertPlacement::Contiguous(config.routing.num_experts, options.num_ranks);
   }
 
-  gateway->backend_ = std::make_unique<CpuBackend>(options.cpu);
+  ASSIGN_OR_RETURN(gateway->backend_, CreateBackend(options.backend, options.device, options.cpu));
+  // The gRPC exchange streams always exist: they carry the steps (transport grpc) or serve as
+  // the ranks' liveness channel (transport nccl, whose communicator forms once all joined).
   gateway->transport_ =
       std::make_unique<GrpcGatewayTransport>(options.num_ranks, gateway->backend_.get());
-  ASSIGN_OR_RETURN(
-      gateway->engine_,
-      GatewayEngine::Create(*gateway->checkpoint_, layers, std::move(placement), options.precision,
-                            gateway->backend_.get(), gateway->transport_.get()));
+  GatewayTransport* steps = gateway->transport_.get();
+  if (options.transport == "nccl") {
+    gateway->nccl_ = std::make_shared<DeferredTransport>("nccl");
+    steps = gateway->nccl_.get();
+#if defined(MOE_HAVE_NCCL_TRANSPORT)
+    ASSIGN_OR_RETURN(gateway->nccl_unique_id_, NewNcclUniqueId());
+#endif
+  }
+  ASSIGN_OR_RETURN(gateway->engine_,
+                   GatewayEngine::Create(*gateway->checkpoint_, layers, std::move(placement),
+                                         options.precision, gateway->backend_.get(), steps));
   gateway->metrics_ = std::make_unique<GatewayMetrics>(
       config, gateway->engine_->layers(), gateway->engine_->placement(), options.metrics);
   gateway->engine_->SetObserver(gateway->metrics_.get());
@@ -83,7 +104,37 @@ Gateway::Gateway(const GatewayOptions& options) : options_(options) {}
 
 Gateway::~Gateway() { Shutdown(absl::Seconds(1)); }
 
+void Gateway::StartNcclGroup() {
+#if defined(MOE_HAVE_NCCL_TRANSPORT)
+  // NCCL init is collective and blocks until every rank has joined, so it runs beside the
+  // control plane. The thread shares ownership of what it touches: a gateway shut down while
+  // ranks are still loading does not wait for it.
+  auto deferred = nccl_;
+  auto backend = backend_;
+  auto alive = nccl_callback_;
+  NcclGatewayOptions nccl;
+  nccl.num_ranks = options_.num_ranks;
+  nccl.unique_id = nccl_unique_id_;
+  nccl.backend = static_cast<CudaBackend*>(backend.get());
+  nccl.init_timeout = options_.nccl_init_timeout;
+  std::thread([deferred, backend, alive, nccl] {
+    auto transport = NcclGatewayTransport::Create(nccl);
+    if (!transport.ok()) {
+      std::fprintf(stderr, "moe-gateway: NCCL group failed to form: %s\n", transport.status().ToString().c_str());
+      return;
+    }
+    deferred->Install(std::move(*transport));
+    std::fprintf(stderr, "moe-gateway: NCCL communicator formed (%d ranks + gateway)\n", nccl.num_ranks);
+    alive->Notify();
+  }).detach();
+#endif
+}
+
 absl::Status Gateway::Start() {
+  if (nccl_ != nullptr) {
+    nccl_callback_->Set([this] { OnRankState(-1, true); });
+    StartNcclGroup();
+  }
   if (options_.metrics_port >= 0) {
     RETURN_IF_ERROR(
         metrics_->Serve(absl::StrCat(options_.metrics_host, ":", options_.metrics_port)));
@@ -116,6 +167,7 @@ absl::Status Gateway::Start() {
 }
 
 void Gateway::Shutdown(absl::Duration grace) {
+  if (nccl_callback_ != nullptr) nccl_callback_->Set(nullptr);
   {
     std::lock_guard<std::mutex> lock(health_mu_);
     if (health_ != nullptr) health_->SetServingStatus(false);
@@ -134,10 +186,14 @@ void Gateway::Wait() {
   if (server_ != nullptr) server_->Wait();
 }
 
-bool Gateway::ready() const { return transport_->num_up() == options_.num_ranks; }
+bool Gateway::ready() const {
+  return transport_->num_up() == options_.num_ranks && (nccl_ == nullptr || nccl_->installed());
+}
 
 std::string Gateway::ReadinessMessage() const {
-  return absl::StrCat(transport_->num_up(), " of ", options_.num_ranks, " ranks up");
+  std::string message = absl::StrCat(transport_->num_up(), " of ", options_.num_ranks, " ranks up");
+  if (nccl_ != nullptr && !nccl_->installed()) absl::StrAppend(&message, ", NCCL communicator not formed yet");
+  return message;
 }
 
 absl::StatusOr<int> Gateway::ClaimRank(int requested) {
@@ -173,13 +229,14 @@ std::vector<RankRecord> Gateway::ranks() const {
 }
 
 void Gateway::OnRankState(int rank, bool up) {
-  metrics_->OnRankState(rank, up);
+  if (rank >= 0) metrics_->OnRankState(rank, up);
   // Serialized, and the state re-read under the lock: the last callback leaves the health
   // status matching the transport, however rank transitions interleave.
   std::lock_guard<std::mutex> lock(health_mu_);
   const bool all_up = ready();
-  std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
-               ReadinessMessage().c_str());
+  if (rank >= 0)
+    std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
+                 ReadinessMessage().c_str());
   if (all_up) std::fprintf(stderr, "moe-gateway: ready (%d ranks)\n", options_.num_ranks);
   std::fflush(stderr);
   if (health_ != nullptr) health_->SetServingStatus(all_up);

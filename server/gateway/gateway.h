@@ -18,6 +18,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
 #include "server/gateway/balance_diagnostics.h"
+#include "server/gateway/deferred_transport.h"
 #include "server/gateway/gateway_engine.h"
 #include "server/gateway/step_batcher.h"
 #include "server/metrics/gateway_metrics.h"
@@ -40,7 +41,11 @@ struct GatewayOptions {
   std::string placement_file;      // explicit rank -> experts map; default: contiguous ranges
   BatcherOptions batcher;
   int64_t max_request_tokens = 4096;
+  std::string backend = "cpu";                   // "cpu" or "cuda"
+  int device = 0;                                // CUDA device (backend cuda)
   CpuBackendOptions cpu;                         // gateway compute threads
+  // NCCL: how long the communicator may take to form (ranks load their experts first).
+  absl::Duration nccl_init_timeout = absl::Minutes(30);
   int64_t max_message_bytes = int64_t{1} << 30;  // gRPC message limit (large K3 batches)
   std::string metrics_host = "0.0.0.0";
   int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
@@ -78,6 +83,7 @@ class Gateway {
   BalanceDiagnostics& diagnostics() { return *diagnostics_; }
   int metrics_port() const { return metrics_->port(); }
   const std::string& session() const { return session_; }
+  const std::string& nccl_unique_id() const { return nccl_unique_id_; }
   std::string backend_name() const { return backend_->name(); }
 
   // Rank bookkeeping (control plane).
@@ -91,7 +97,28 @@ class Gateway {
 
   GatewayOptions options_;
   std::unique_ptr<Checkpoint> checkpoint_;
-  std::unique_ptr<Backend> backend_;
+  // A callback the detached NCCL-init thread may call while the gateway lives.
+  class LateCallback {
+   public:
+    void Set(std::function<void()> fn) {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = std::move(fn);
+    }
+    void Notify() {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (fn_) fn_();
+    }
+
+   private:
+    std::mutex mu_;
+    std::function<void()> fn_;
+  };
+  void StartNcclGroup();
+
+  std::shared_ptr<Backend> backend_;
+  std::shared_ptr<DeferredTransport> nccl_;  // transport nccl: the steps' transport
+  std::string nccl_unique_id_;
+  std::shared_ptr<LateCallback> nccl_callback_ = std::make_shared<LateCallback>();
   std::unique_ptr<GrpcGatewayTransport> transport_;
   std::unique_ptr<GatewayEngine> engine_;
   std::unique_ptr<GatewayMetrics> metrics_;

@@ -252,6 +252,10 @@ grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
   }
   response->set_precision(gateway_->engine().precision() == Precision::kBF16 ? "bf16" : "fp32");
   response->set_transport(gateway_->options().transport);
+  if (gateway_->options().transport == "nccl") {
+    response->set_nccl_unique_id(gateway_->nccl_unique_id());
+    response->set_nccl_rank(*rank);
+  }
   response->set_max_tokens_per_step(gateway_->options().batcher.max_tokens_per_step);
   response->set_session(gateway_->session());
   return grpc::Status::OK;

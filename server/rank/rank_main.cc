@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
   flags.String("checkpoint", &options.checkpoint,
                "checkpoint directory, if mounted elsewhere than on the gateway");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
+  flags.String("backend", &options.backend, "compute backend: cpu or cuda");
+  flags.Int("device", &options.device, "CUDA device (--backend cuda)");
   flags.Int("connect-timeout-s", &connect_timeout_s, "how long to wait for the gateway");
   flags.Bool("exit-on-disconnect", &exit_on_disconnect,
              "exit when the gateway goes away instead of re-registering");

@@ -8,7 +8,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status.h"
+#include "server/backend_factory.h"
 #include "server/grpc_status.h"
+
+#if defined(MOE_HAVE_NCCL_TRANSPORT)
+#include <thread>
+
+#include "kernels/cuda/cuda_backend.h"
+#include "transport/nccl_transport.h"
+#endif
 
 namespace moe {
 namespace {
@@ -29,7 +37,14 @@ std::string ShardKey(const std::string& checkpoint, const moe::v1::internal::Reg
 }  // namespace
 
 RankWorker::RankWorker(const RankOptions& options)
-    : options_(options), backend_(options.cpu), workspace_(&backend_) {
+    : options_(options) {
+  auto backend = CreateBackend(options.backend, options.device, options.cpu);
+  if (backend.ok()) {
+    backend_ = std::move(*backend);
+    workspace_ = std::make_unique<Workspace>(backend_.get());
+  } else {
+    backend_status_ = backend.status();
+  }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
@@ -44,7 +59,12 @@ RankWorker::~RankWorker() { Stop(); }
 void RankWorker::Stop() {
   stop_ = true;
   std::lock_guard<std::mutex> lock(transport_mu_);
-  if (transport_ != nullptr) transport_->Cancel();
+  if (cancel_) cancel_();
+}
+
+void RankWorker::SetCancel(std::function<void()> cancel) {
+  std::lock_guard<std::mutex> lock(transport_mu_);
+  cancel_ = std::move(cancel);
 }
 
 absl::Status RankWorker::LoadShards(const moe::v1::internal::RegisterResponse& registration) {
@@ -60,7 +80,7 @@ absl::Status RankWorker::LoadShards(const moe::v1::internal::RegisterResponse& r
     ASSIGN_OR_RETURN(ExpertShardWeights weights,
                      checkpoint_->LoadExperts(shard.layer(), experts, /*prefetch=*/true));
     ASSIGN_OR_RETURN(auto expert_shard,
-                     ExpertShard::Create(checkpoint_->config(), weights, &backend_));
+                     ExpertShard::Create(checkpoint_->config(), weights, backend_.get()));
     bytes += expert_shard->weight_bytes();
     shards_[shard.layer()] = std::move(expert_shard);
   }
@@ -75,17 +95,21 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
   request.set_hostname(Hostname());
   request.set_pid(getpid());
   request.add_transports("grpc");
-  request.set_backend("cpu");
-  request.set_device("cpu");
+  if (TransportBuilt("nccl") && options_.backend == "cuda") request.add_transports("nccl");
+  request.set_backend(options_.backend);
+  request.set_device(backend_->name());
   grpc::ClientContext context;
   context.set_wait_for_ready(true);  // the gateway may still be starting
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
   RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Register(&context, request, registration)),
                       absl::StrCat("registering with ", options_.gateway));
   rank_ = registration->rank();
-  if (registration->transport() != "grpc")
-    return absl::UnimplementedError(absl::StrCat(
-        "the gateway uses transport '", registration->transport(), "', this rank supports grpc"));
+  if (registration->transport() == "nccl" && (!TransportBuilt("nccl") || options_.backend != "cuda"))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the gateway uses transport nccl: start moe-rank with --backend cuda",
+        TransportBuilt("nccl") ? "" : " (this build has no NCCL transport)"));
+  if (registration->transport() != "grpc" && registration->transport() != "nccl")
+    return absl::UnimplementedError(absl::StrCat("unknown transport '", registration->transport(), "'"));
   const absl::Time t0 = absl::Now();
   RETURN_IF_ERROR(LoadShards(*registration));
   std::fprintf(
@@ -100,27 +124,56 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
 
 absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse& registration) {
   auto context = std::make_unique<grpc::ClientContext>();
-  std::unique_ptr<ExchangeClientStream> stream = stub_->Exchange(context.get());
+  grpc::ClientContext* raw_context = context.get();
+  std::unique_ptr<ExchangeClientStream> stream = stub_->Exchange(raw_context);
   moe::v1::internal::RankToGateway hello;
   hello.mutable_hello()->set_rank(registration.rank());
   hello.mutable_hello()->set_session(registration.session());
   hello.mutable_hello()->set_weight_bytes(weight_bytes_);
-  hello.mutable_hello()->set_backend(backend_.name());
-  if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
-  GrpcRankTransport transport(std::move(context), std::move(stream), &backend_);
-  {
-    std::lock_guard<std::mutex> lock(transport_mu_);
-    transport_ = &transport;
-  }
-  struct Detach {
+  hello.mutable_hello()->set_backend(backend_->name());
+  struct ClearCancel {
     RankWorker* self;
-    ~Detach() {
-      std::lock_guard<std::mutex> lock(self->transport_mu_);
-      self->transport_ = nullptr;
-    }
-  } detach{this};
-  if (stop_) return absl::CancelledError("stopping");
+    ~ClearCancel() { self->SetCancel(nullptr); }
+  } clear_cancel{this};
 
+  if (registration.transport() == "grpc") {
+    if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
+    GrpcRankTransport transport(std::move(context), std::move(stream), backend_.get());
+    SetCancel([&transport] { transport.Cancel(); });
+    if (stop_) return absl::CancelledError("stopping");
+    return ServeSteps(transport);
+  }
+#if defined(MOE_HAVE_NCCL_TRANSPORT)
+  // NCCL carries the steps; the exchange stream stays open as the liveness channel (the
+  // gateway sees this rank die when it breaks, and the rank stops when the gateway goes).
+  NcclRankOptions nccl;
+  nccl.rank = registration.nccl_rank();
+  nccl.num_ranks = registration.num_ranks();
+  nccl.unique_id = registration.nccl_unique_id();
+  nccl.backend = static_cast<CudaBackend*>(backend_.get());
+  ASSIGN_OR_RETURN(auto transport, NcclRankTransport::Create(nccl));
+  NcclRankTransport* nccl_transport = transport.get();
+  SetCancel([nccl_transport, raw_context] {
+    nccl_transport->Cancel();
+    raw_context->TryCancel();
+  });
+  if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
+  std::thread watcher([&stream, nccl_transport] {
+    moe::v1::internal::GatewayToRank ignored;
+    while (stream->Read(&ignored)) {
+    }
+    nccl_transport->Cancel();  // the gateway went away: leave the NCCL group
+  });
+  absl::Status status = stop_ ? absl::CancelledError("stopping") : ServeSteps(*transport);
+  raw_context->TryCancel();
+  watcher.join();
+  return status;
+#else
+  return absl::UnimplementedError("this build has no NCCL transport");
+#endif
+}
+
+absl::Status RankWorker::ServeSteps(RankTransport& transport) {
   for (;;) {
     auto step = transport.Receive();
     if (!step.ok()) return step.status();
@@ -131,7 +184,7 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
     std::set<int32_t> active(step->assignments.local_experts.begin(),
                              step->assignments.local_experts.end());
     if (shard != shards_.end()) {
-      auto partial = workspace_.Partial(0, step->rows.rows, step->rows.cols);
+      auto partial = workspace_->Partial(0, step->rows.rows, step->rows.cols);
       if (!partial.ok()) {
         result = partial.status();
       } else {
@@ -161,6 +214,7 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
 }
 
 absl::Status RankWorker::Run() {
+  if (!backend_status_.ok()) return backend_status_;
   absl::Duration backoff = absl::Milliseconds(200);
   for (;;) {
     if (stop_) return absl::OkStatus();

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -25,7 +26,9 @@ struct RankOptions {
   std::string gateway;      // HOST:PORT of moe-gateway
   int requested_rank = -1;  // -1: the gateway picks
   std::string checkpoint;   // overrides the gateway's path (other mount point)
-  CpuBackendOptions cpu;    // expert compute threads
+  std::string backend = "cpu";  // "cpu" or "cuda"
+  int device = 0;               // CUDA device (backend cuda)
+  CpuBackendOptions cpu;        // expert compute threads
   absl::Duration connect_timeout = absl::Minutes(10);  // how long to wait for the gateway
   bool reconnect = true;                               // register again when the gateway goes away
   int64_t max_message_bytes = int64_t{1} << 30;
@@ -67,21 +70,26 @@ class RankWorker {
  private:
   absl::Status RegisterAndLoad(moe::v1::internal::RegisterResponse* registration);
   absl::Status ServeSession(const moe::v1::internal::RegisterResponse& registration);
+  // Answers steps from `transport` until it fails or is cancelled.
+  absl::Status ServeSteps(RankTransport& transport);
+  // Makes Stop() cancel `cancel` while a session runs.
+  void SetCancel(std::function<void()> cancel);
   absl::Status LoadShards(const moe::v1::internal::RegisterResponse& registration);
 
   RankOptions options_;
-  CpuBackend backend_;
+  absl::Status backend_status_;
+  std::unique_ptr<Backend> backend_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::internal::RankControl::Stub> stub_;
   std::unique_ptr<Checkpoint> checkpoint_;
   std::string loaded_shard_key_;  // checkpoint + shard layout of what is loaded
   std::map<int, std::unique_ptr<ExpertShard>> shards_;
-  Workspace workspace_;
+  std::unique_ptr<Workspace> workspace_;
   std::atomic<int> rank_{-1};
   std::atomic<int64_t> weight_bytes_{0};
   std::atomic<bool> stop_{false};
   std::mutex transport_mu_;
-  GrpcRankTransport* transport_ = nullptr;  // guarded by transport_mu_, for Stop()
+  std::function<void()> cancel_;  // guarded by transport_mu_: unblocks the running session
   RankStepObserver* observer_ = nullptr;
 };
 
