@@ -105,7 +105,8 @@ inline __m256i Bf16BitsV(__m512 v) {
 
 void PackRowAvx512(const float* x, int64_t k, WeightFormat format, Precision precision, void* out) {
   const int64_t kp = PaddedK(k);
-  const int64_t full = k & ~int64_t{63};  // whole 64-element units; the tail goes the portable way
+  const int64_t full =
+      k & ~(kPadK - 1);  // whole 128-element groups; the tail goes the portable way
   if (precision == Precision::kFP32 && format != WeightFormat::kMXFP4) {
     std::memcpy(out, x, k * sizeof(float));
     std::memset(static_cast<float*>(out) + k, 0, (kp - k) * sizeof(float));
@@ -120,28 +121,28 @@ void PackRowAvx512(const float* x, int64_t k, WeightFormat format, Precision pre
     for (int64_t i = 0; i < full; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), Bf16BitsV(_mm512_loadu_ps(x + i)));
   } else {
-    // Per 64-element unit: [even elements, odd elements].
-    alignas(64) static const auto kEven = [] {
-      std::array<uint16_t, 32> idx{};
-      for (int j = 0; j < 32; ++j) idx[j] = static_cast<uint16_t>(2 * j);
+    // Per 128-element group, run j (32 words) holds elements 4w + j: words w < 16 come from
+    // the group's first 64 elements, w >= 16 from the last 64, each by one two-source permute.
+    alignas(64) static const auto kRunIndex = [] {
+      std::array<std::array<uint16_t, 32>, 4> idx{};
+      for (int j = 0; j < 4; ++j)
+        for (int w = 0; w < 32; ++w) idx[j][w] = static_cast<uint16_t>((4 * w + j) & 63);
       return idx;
     }();
-    alignas(64) static const auto kOdd = [] {
-      std::array<uint16_t, 32> idx{};
-      for (int j = 0; j < 32; ++j) idx[j] = static_cast<uint16_t>(2 * j + 1);
-      return idx;
-    }();
-    const __m512i even_idx = _mm512_load_si512(kEven.data()),
-                  odd_idx = _mm512_load_si512(kOdd.data());
-    for (int64_t u = 0; u < full; u += 64) {
-      const __m512i a =
-          _mm512_inserti64x4(_mm512_castsi256_si512(Bf16BitsV(_mm512_loadu_ps(x + u))),
-                             Bf16BitsV(_mm512_loadu_ps(x + u + 16)), 1);
-      const __m512i b =
-          _mm512_inserti64x4(_mm512_castsi256_si512(Bf16BitsV(_mm512_loadu_ps(x + u + 32))),
-                             Bf16BitsV(_mm512_loadu_ps(x + u + 48)), 1);
-      _mm512_storeu_si512(o + u, _mm512_permutex2var_epi16(a, even_idx, b));
-      _mm512_storeu_si512(o + u + 32, _mm512_permutex2var_epi16(a, odd_idx, b));
+    auto words32 = [](const float* p) {
+      return _mm512_inserti64x4(_mm512_castsi256_si512(Bf16BitsV(_mm512_loadu_ps(p))),
+                                Bf16BitsV(_mm512_loadu_ps(p + 16)), 1);
+    };
+    for (int64_t g = 0; g < full; g += 128) {
+      const __m512i a = words32(x + g), b = words32(x + g + 32), c = words32(x + g + 64),
+                    d = words32(x + g + 96);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i idx = _mm512_load_si512(kRunIndex[j].data());
+        const __m512i first = _mm512_permutex2var_epi16(a, idx, b);   // elements 4w + j, w < 16
+        const __m512i second = _mm512_permutex2var_epi16(c, idx, d);  // elements 64 + 4w + j
+        _mm512_storeu_si512(o + g + 32 * j,
+                            _mm512_inserti64x4(first, _mm512_castsi512_si256(second), 1));
+      }
     }
   }
   if (full < k || full < kp) PackActivationRow(x + full, k - full, format, precision, o + full);

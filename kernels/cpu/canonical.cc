@@ -8,11 +8,11 @@ void PackActivationRow(const float* x, int64_t k, WeightFormat f, Precision p, v
   const int64_t kp = PaddedK(k);
   if (p == Precision::kBF16) {
     auto* o = static_cast<uint16_t*>(out);
-    std::memset(o + (k & ~int64_t{63}), 0, (kp - (k & ~int64_t{63})) * sizeof(uint16_t));
+    std::memset(o + (k & ~(kPadK - 1)), 0, (kp - (k & ~(kPadK - 1))) * sizeof(uint16_t));
     for (int64_t i = 0; i < k; ++i) o[CanonicalIndex(f, i)] = FloatToBf16Bits(x[i]);
   } else {
     auto* o = static_cast<float*>(out);
-    std::memset(o + (k & ~int64_t{63}), 0, (kp - (k & ~int64_t{63})) * sizeof(float));
+    std::memset(o + (k & ~(kPadK - 1)), 0, (kp - (k & ~(kPadK - 1))) * sizeof(float));
     for (int64_t i = 0; i < k; ++i) o[CanonicalIndex(f, i)] = x[i];
   }
 }
@@ -38,7 +38,7 @@ inline float WeightValue(const WeightMatrix& w, int64_t n, int64_t k) {
 void DecodeWeightRow(const WeightMatrix& w, int64_t n, Precision p, void* out) {
   const int64_t k = w.cols;
   const int64_t kp = PaddedK(k);
-  const int64_t tail = k & ~int64_t{63};
+  const int64_t tail = k & ~(kPadK - 1);
   if (p == Precision::kBF16) {
     auto* o = static_cast<uint16_t*>(out);
     std::memset(o + tail, 0, (kp - tail) * sizeof(uint16_t));

@@ -6,8 +6,9 @@
 // kernel reproduces bit for bit:
 //
 //  * Both operands are laid out in the weight format's element order (identity, except
-//    MXFP4, whose 64-element units are stored [even elements, odd elements] so that the
-//    packed nibbles decode without shuffles) and zero-padded to a multiple of 64.
+//    MXFP4: each 128-element group is stored as four runs of 32, run j holding elements
+//    4w + j, so that the four nibbles of one 16-bit word of packed weights decode by shifts,
+//    without shuffles) and zero-padded to a multiple of 128.
 //  * bf16 mode: 16 fp32 lanes; the 32-element chunk c adds to lane i, in this order,
 //    w[32c+2i+1]*x[32c+2i+1] then w[32c+2i]*x[32c+2i] (each product exact, each add rounded):
 //    the semantics of one AVX-512 VDPBF16PS.
@@ -29,7 +30,7 @@
 namespace moe::cpu {
 
 constexpr int kLanes = 16;
-constexpr int64_t kPadK = 64;       // operands are zero-padded to a multiple of this
+constexpr int64_t kPadK = 128;      // operands are zero-padded to a multiple of this
 constexpr int64_t kFp8Block = 128;  // FP8 scale block
 
 inline int64_t PaddedK(int64_t k) { return (k + kPadK - 1) / kPadK * kPadK; }
@@ -37,9 +38,9 @@ inline int64_t PaddedK(int64_t k) { return (k + kPadK - 1) / kPadK * kPadK; }
 // Position of logical element k in the format's canonical order.
 inline int64_t CanonicalIndex(WeightFormat f, int64_t k) {
   if (f != WeightFormat::kMXFP4) return k;
-  const int64_t unit = k & ~int64_t{63};
-  const int64_t j = k & 63;
-  return unit + (j & 1) * 32 + (j >> 1);
+  const int64_t group = k & ~int64_t{127};
+  const int64_t e = k & 127;
+  return group + (e & 3) * 32 + (e >> 2);
 }
 
 // Writes one activation row in canonical order: bf16 bits (kBF16, rounded to nearest even)

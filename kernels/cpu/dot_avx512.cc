@@ -18,7 +18,8 @@
 namespace moe::cpu {
 namespace {
 
-constexpr int kMaxRowsPerTile = 4;  // NR: weight rows per tile
+constexpr int kMaxRowsPerTile = 4;    // NR: weight rows per tile
+constexpr int kPrefetchBytes = 2048;  // how far ahead streamed weight bytes are requested
 
 inline float ReduceTree(__m512 v) {
   const __m256 r8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -29,60 +30,111 @@ inline float ReduceTree(__m512 v) {
 
 // ---- weight row decoding (exact) ---------------------------------------------------------
 
-// bf16 bits of the E2M1 values, indexed by nibble (upper 16 entries unused).
-alignas(64) const uint16_t kE2m1Bf16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
-                                            0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
-                                            0xC000, 0xC040, 0xC080, 0xC0C0};
-// MXFP4 row -> bf16 bits in canonical order ([even, odd] per 64-element unit).
-void DecodeMxfp4RowBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, uint16_t* out) {
-  const __m512i lut = _mm512_load_si512(kE2m1Bf16);
-  const __m512i low_nibble = _mm512_set1_epi16(0x000F);
-  const __m512i magnitude_bits = _mm512_set1_epi16(0x0007);
-  const int64_t units = cols / 64;
-  // Per-block exponent offsets (s - 127) << 7 of 16 units (32 blocks) at a time; unit j of a
-  // group takes words [2j x16, 2j+1 x16] of them with one vpermw.
-  alignas(64) static const auto kScaleIndex = [] {
-    std::array<std::array<uint16_t, 32>, 16> idx{};
-    for (int j = 0; j < 16; ++j)
-      for (int w = 0; w < 32; ++w) idx[j][w] = static_cast<uint16_t>(2 * j + (w >= 16));
-    return idx;
-  }();
-  for (int64_t u0 = 0; u0 < units; u0 += 16) {
-    const int64_t group = std::min<int64_t>(16, units - u0);
-    const __mmask32 scale_mask =
-        group == 16 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (2 * group)) - 1);
-    const __m512i offsets = _mm512_slli_epi16(
-        _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(scale_mask, scales + 2 * u0)),
+// bf16 bits of the E2M1 values, indexed by nibble; twice, so one 32-word register holds the
+// table of two scale blocks.
+alignas(64) const uint16_t kE2m1Bf16x2[32] = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80,
+    0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
+    0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+// One 128-element MXFP4 group (64 packed bytes, 4 scale blocks) -> 128 bf16 values in
+// canonical order (run j holds elements 4w + j, w = 0..31).
+//
+// Word w of the packed bytes holds the nibbles of elements 4w .. 4w+3 (bits 0-3 .. 12-15), all
+// in scale block w / 8. Each run is one vpermt2w into a 64-entry table holding the four
+// blocks' scaled values: index = nibble + 16 * (w / 8). The scale 2^(s-127) is exact: it is
+// added to the bf16 exponent field of the table's non-zero entries (PrepareWeight checked
+// s in [2, 252]).
+class Mxfp4GroupDecoder {
+ public:
+  Mxfp4GroupDecoder()
+      : base_(_mm512_load_si512(kE2m1Bf16x2)),
+        nibble_(_mm512_set1_epi16(0x000F)),
+        block_bits_(_mm512_set_epi16(48, 48, 48, 48, 48, 48, 48, 48, 32, 32, 32, 32, 32, 32, 32, 32,
+                                     16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0)) {}
+
+  // Exponent offsets (s - 127) << 7 of the 32 blocks of 8 groups starting at `scales`
+  // (`groups` of them present).
+  __m512i Offsets(const uint8_t* scales, int64_t groups) const {
+    const __mmask32 mask =
+        groups >= 8 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (4 * groups)) - 1);
+    return _mm512_slli_epi16(
+        _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, scales)),
                          _mm512_set1_epi16(127)),
         7);
-    for (int64_t j = 0; j < group; ++j) {
-      const int64_t u = u0 + j;
-      const __m512i bytes = _mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * u)));
-      const __m512i lo = _mm512_and_si512(bytes, low_nibble);
-      const __m512i hi = _mm512_srli_epi16(bytes, 4);
-      __m512i even = _mm512_permutexvar_epi16(lo, lut);
-      __m512i odd = _mm512_permutexvar_epi16(hi, lut);
-      // Scale 2^(s-127) by adding (s-127) to the exponent field of non-zero values; words
-      // 0..15 hold block 2u, words 16..31 block 2u+1 (PrepareWeight checked s in [2, 252]).
-      const __m512i scale =
-          _mm512_permutexvar_epi16(_mm512_load_si512(kScaleIndex[j].data()), offsets);
-      even = _mm512_mask_add_epi16(even, _mm512_test_epi16_mask(lo, magnitude_bits), even, scale);
-      odd = _mm512_mask_add_epi16(odd, _mm512_test_epi16_mask(hi, magnitude_bits), odd, scale);
-      _mm512_storeu_si512(out + 64 * u, even);
-      _mm512_storeu_si512(out + 64 * u + 32, odd);
+  }
+  // The 64-entry table of group g (of the 8 `offsets` covers): blocks 4g, 4g+1 in `lo`,
+  // 4g+2, 4g+3 in `hi`.
+  void Tables(__m512i offsets, int g, __m512i* lo, __m512i* hi) const {
+    const __m512i lo_scale =
+        _mm512_permutexvar_epi16(_mm512_load_si512(kScaleIndex()[2 * g].data()), offsets);
+    const __m512i hi_scale =
+        _mm512_permutexvar_epi16(_mm512_load_si512(kScaleIndex()[2 * g + 1].data()), offsets);
+    const __mmask32 nonzero = 0xFEFEFEFEu;  // entries 0 and 8 of each block are +-0
+    *lo = _mm512_mask_add_epi16(base_, nonzero, base_, lo_scale);
+    *hi = _mm512_mask_add_epi16(base_, nonzero, base_, hi_scale);
+  }
+  // Table indices of the four runs of a group's 64 packed bytes.
+  void Indices(const uint8_t* packed, __m512i idx[4]) const {
+    const __m512i words = _mm512_loadu_si512(packed);
+    // index = (nibble & 0xF) | block bits, in one ternary-logic op per run: (A & B) | C = 0xEA.
+    idx[0] = _mm512_ternarylogic_epi32(words, nibble_, block_bits_, 0xEA);
+    idx[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble_, block_bits_, 0xEA);
+    idx[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble_, block_bits_, 0xEA);
+    idx[3] = _mm512_or_si512(_mm512_srli_epi16(words, 12), block_bits_);
+  }
+  static __m512i Run(__m512i lo, __m512i idx, __m512i hi) {
+    return _mm512_permutex2var_epi16(lo, idx, hi);
+  }
+
+  // One group into `out` (128 bf16 values).
+  void Decode(const uint8_t* packed, __m512i offsets, int g, uint16_t* out) const {
+    __m512i lo, hi, idx[4];
+    Tables(offsets, g, &lo, &hi);
+    Indices(packed, idx);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + 32 * j, Run(lo, idx[j], hi));
+  }
+
+ private:
+  // For group g of 8: [block 4g x16, 4g+1 x16] and [4g+2 x16, 4g+3 x16] as word indices.
+  static const std::array<std::array<uint16_t, 32>, 16>& kScaleIndex() {
+    alignas(64) static const auto idx = [] {
+      std::array<std::array<uint16_t, 32>, 16> v{};
+      for (int g = 0; g < 8; ++g)
+        for (int w = 0; w < 32; ++w) {
+          v[2 * g][w] = static_cast<uint16_t>(4 * g + (w >= 16));
+          v[2 * g + 1][w] = static_cast<uint16_t>(4 * g + 2 + (w >= 16));
+        }
+      return v;
+    }();
+    return idx;
+  }
+  __m512i base_, nibble_, block_bits_;
+};
+
+// MXFP4 row -> bf16 bits in canonical order, zero-padded to PaddedK(cols).
+void DecodeMxfp4RowBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, uint16_t* out) {
+  const Mxfp4GroupDecoder decoder;
+  const int64_t full = cols / 128;
+  for (int64_t g0 = 0; g0 < full; g0 += 8) {
+    const int64_t groups = std::min<int64_t>(8, full - g0);
+    const __m512i offsets = decoder.Offsets(scales + 4 * g0, groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      _mm_prefetch(reinterpret_cast<const char*>(packed + 64 * (g0 + g) + kPrefetchBytes),
+                   _MM_HINT_T0);
+      decoder.Decode(packed + 64 * (g0 + g), offsets, static_cast<int>(g), out + 128 * (g0 + g));
     }
   }
-  if (cols % 64) {  // a trailing 32-element block: its 16 bytes decode like half a unit
-    alignas(64) uint8_t tail_bytes[32] = {};
-    std::memcpy(tail_bytes, packed + 32 * units, 16);
-    alignas(64) uint8_t tail_scales[2] = {scales[2 * units], 127};
-    alignas(64) uint16_t tail[64];
-    DecodeMxfp4RowBf16(tail_bytes, tail_scales, 64, tail);
-    // Elements 32..63 do not exist: their canonical slots (16..31 and 48..63) stay zero.
-    std::memset(out + 64 * units, 0, 64 * sizeof(uint16_t));
-    std::memcpy(out + 64 * units, tail, 16 * sizeof(uint16_t));
-    std::memcpy(out + 64 * units + 32, tail + 32, 16 * sizeof(uint16_t));
+  if (cols % 128) {
+    // A partial group (32, 64 or 96 elements): decode it from a zero-padded copy; missing
+    // elements are nibble 0, i.e. exactly 0.
+    const int64_t blocks = (cols % 128) / 32;
+    alignas(64) uint8_t bytes[64] = {};
+    std::memcpy(bytes, packed + 64 * full, 16 * blocks);
+    alignas(64) uint8_t block_scales[32];
+    std::memset(block_scales, 127, sizeof(block_scales));
+    std::memcpy(block_scales, scales + 4 * full, blocks);
+    decoder.Decode(bytes, decoder.Offsets(block_scales, 8), 0, out + 128 * full);
   }
 }
 
@@ -130,6 +182,7 @@ void DecodeFp8RowBf16(const uint8_t* row, int64_t cols, uint16_t* out) {
   for (int64_t k = 0; k < kp; k += 32) {
     __m512i bits;
     if (k + 32 <= cols) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
       bits = Fp8ToBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
     } else if (k < cols) {
       const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (cols - k)) - 1);
@@ -186,7 +239,9 @@ void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, fl
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kp; k += 32) {
     __m512bh wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+    for (int j = 0; j < NR; ++j) {
+      wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+    }
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
@@ -259,6 +314,64 @@ void TileF32(const float* const* x, const float* const* w, const float* const* s
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
 }
 
+// MXFP4 weights decoded in registers and consumed at once, for few operand rows (decode-bound
+// shapes): MR operand rows x NR weight rows, cols a multiple of 128. Same canonical order as
+// the decode-to-scratch path: one VDPBF16PS per 32-element run, runs in ascending order.
+template <int MR, int NR>
+void FusedMxfp4Tile(const uint16_t* const* x, const uint8_t* const* packed,
+                    const uint8_t* const* scales, int64_t cols, float* y, int64_t ldy) {
+  const Mxfp4GroupDecoder decoder;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
+  const int64_t groups = cols / 128;
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int64_t count = std::min<int64_t>(8, groups - g0);
+    __m512i offsets[NR];
+    for (int r = 0; r < NR; ++r) offsets[r] = decoder.Offsets(scales[r] + 4 * g0, count);
+    for (int64_t g = 0; g < count; ++g) {
+      const int64_t base = 128 * (g0 + g);
+      __m512i lo[NR], hi[NR], idx[NR][4];
+      for (int r = 0; r < NR; ++r) {
+        // Weights stream from memory once: ask for them kPrefetchBytes ahead (the hardware
+        // prefetcher alone leaves this loop latency-bound).
+        _mm_prefetch(reinterpret_cast<const char*>(packed[r] + 64 * (g0 + g) + kPrefetchBytes),
+                     _MM_HINT_T0);
+        decoder.Tables(offsets[r], static_cast<int>(g), &lo[r], &hi[r]);
+        decoder.Indices(packed[r] + 64 * (g0 + g), idx[r]);
+      }
+      for (int j = 0; j < 4; ++j) {
+        __m512bh xv[MR];
+        for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x[i] + base + 32 * j);
+        for (int r = 0; r < NR; ++r) {
+          const __m512bh w = (__m512bh)Mxfp4GroupDecoder::Run(lo[r], idx[r][j], hi[r]);
+          for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv[i], w);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) y[i * ldy + r] = ReduceTree(acc[i][r]);
+}
+
+template <int MR>
+void FusedMxfp4Rows(const DotOperands& op, const uint16_t* const* x, int64_t n0, int64_t n1,
+                    float* y, int64_t ldy) {
+  const WeightMatrix& w = *op.w;
+  const auto* data = static_cast<const uint8_t*>(w.data);
+  const auto* scales = static_cast<const uint8_t*>(w.scales);
+  for (int64_t n = n0; n < n1; n += 2) {
+    const int64_t second = std::min(n + 1, n1 - 1);
+    const uint8_t* p[2] = {data + n * (w.cols / 2), data + second * (w.cols / 2)};
+    const uint8_t* s[2] = {scales + n * (w.cols / 32), scales + second * (w.cols / 32)};
+    if (n + 1 < n1) {
+      FusedMxfp4Tile<MR, 2>(x, p, s, w.cols, y + (n - n0), ldy);
+    } else {
+      FusedMxfp4Tile<MR, 1>(x, p, s, w.cols, y + (n - n0), ldy);
+    }
+  }
+}
+
 // Dispatches a runtime (mr, nr) to the template instance.
 template <int MR>
 void TileBf16Nr(int nr, const uint16_t* const* x, const uint16_t* const* w,
@@ -304,6 +417,23 @@ void TileF32Nr(int nr, const float* const* x, const float* const* w, const float
 void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
                    DotScratch* scratch) {
   const WeightMatrix& w = *op.w;
+  // Few operand rows and MXFP4: decoding dominates, so decode in registers (no scratch).
+  if (w.format == WeightFormat::kMXFP4 && op.precision == Precision::kBF16 && op.m <= 4 &&
+      w.cols % 128 == 0) {
+    const uint16_t* xr[4];
+    for (int64_t i = 0; i < op.m; ++i)
+      xr[i] = static_cast<const uint16_t*>(op.x) + (op.x_rows ? op.x_rows[i] : i) * op.x_stride;
+    switch (op.m) {
+      case 1:
+        return FusedMxfp4Rows<1>(op, xr, n0, n1, y, ldy);
+      case 2:
+        return FusedMxfp4Rows<2>(op, xr, n0, n1, y, ldy);
+      case 3:
+        return FusedMxfp4Rows<3>(op, xr, n0, n1, y, ldy);
+      default:
+        return FusedMxfp4Rows<4>(op, xr, n0, n1, y, ldy);
+    }
+  }
   const int64_t kp = PaddedK(w.cols);
   const bool bf16 = op.precision == Precision::kBF16;
   const bool fp8 = w.format == WeightFormat::kFP8Block128;
