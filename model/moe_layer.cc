@@ -95,6 +95,13 @@ absl::Status GatewayLayer::SetRouterBias(std::vector<float> bias) {
   if (static_cast<int>(bias.size()) != config_.routing.num_experts)
     return absl::InvalidArgumentError(absl::StrCat(
         "router bias has ", bias.size(), " entries, expected ", config_.routing.num_experts));
+  if (backend_->space() == MemorySpace::kDevice) {  // uploaded once, not per step
+    if (device_bias_ == nullptr) {
+      ASSIGN_OR_RETURN(device_bias_, backend_->Allocate(bias.size() * sizeof(float)));
+    }
+    RETURN_IF_ERROR(
+        backend_->CopyToBackend(device_bias_->data(), bias.data(), bias.size() * sizeof(float)));
+  }
   bias_ = std::move(bias);
   return absl::OkStatus();
 }
@@ -109,14 +116,7 @@ absl::Status GatewayLayer::Route(ConstMatrixView x, Precision p, Routing* routin
   ASSIGN_OR_RETURN(MatrixView ids_buf, workspace_.Matrix(kIds, T, k));  // int32 storage
   ASSIGN_OR_RETURN(MatrixView weights_buf, workspace_.Matrix(kWeights, T, k));
   auto* ids = reinterpret_cast<int32_t*>(ids_buf.data);
-  const float* bias = bias_.data();
-  std::unique_ptr<DeviceBuffer> device_bias;
-  if (backend_->space() == MemorySpace::kDevice) {
-    ASSIGN_OR_RETURN(device_bias, backend_->Allocate(bias_.size() * sizeof(float)));
-    RETURN_IF_ERROR(
-        backend_->CopyToBackend(device_bias->data(), bias_.data(), bias_.size() * sizeof(float)));
-    bias = static_cast<const float*>(device_bias->data());
-  }
+  const float* bias = device_bias_ ? static_cast<const float*>(device_bias_->data()) : bias_.data();
   RETURN_IF_ERROR(backend_->SelectExperts(logits, bias, config_.routing, ids, weights_buf.data));
   routing->tokens = T;
   routing->top_k = k;
@@ -231,7 +231,8 @@ absl::StatusOr<std::unique_ptr<LocalMoeLayer>> LocalMoeLayer::Load(const Checkpo
 }
 
 absl::Status LocalMoeLayer::Forward(const float* x, int64_t tokens, Precision p, float* out,
-                                    Routing* routing_out) {
+                                    Routing* routing_out, LayerTimings* timings) {
+  const absl::Time t0 = absl::Now();
   const MoeConfig& cfg = config();
   const int64_t H = cfg.hidden_size, D = cfg.expert_input_size();
   ASSIGN_OR_RETURN(MatrixView input, workspace_.Matrix(kInput, tokens, H));
@@ -242,6 +243,7 @@ absl::Status LocalMoeLayer::Forward(const float* x, int64_t tokens, Precision p,
   ASSIGN_OR_RETURN(MatrixView expert_input, workspace_.Matrix(kExpertInput, tokens, D));
   RETURN_IF_ERROR(gateway_->Route(input, p, &routing, expert_input));
   ASSIGN_OR_RETURN(DispatchPlan plan, DispatchPlan::Build(routing, placement_));
+  const absl::Time t_routed = absl::Now();
 
   ASSIGN_OR_RETURN(PartialView combined, workspace_.Partial(kCombined, tokens, D));
   RETURN_IF_ERROR(backend_->Zero(combined));
@@ -256,12 +258,16 @@ absl::Status LocalMoeLayer::Forward(const float* x, int64_t tokens, Precision p,
     RETURN_IF_ERROR(backend_->ScatterAddRows(partial, rd.token_rows, combined));
   }
 
+  const absl::Time t_experts = absl::Now();
   ASSIGN_OR_RETURN(MatrixView shared, workspace_.Matrix(kShared, tokens, H));
   RETURN_IF_ERROR(gateway_->SharedExperts(input, p, shared));
+  const absl::Time t_shared = absl::Now();
   ASSIGN_OR_RETURN(MatrixView output, workspace_.Matrix(kOutput, tokens, H));
   RETURN_IF_ERROR(gateway_->Finish(combined, shared, p, output));
   RETURN_IF_ERROR(backend_->CopyToHost(out, output.data, tokens * H * sizeof(float)));
   if (routing_out != nullptr) *routing_out = std::move(routing);
+  if (timings != nullptr)
+    *timings = {t_routed - t0, t_experts - t_routed, t_shared - t_experts, absl::Now() - t_shared};
   return absl::OkStatus();
 }
 

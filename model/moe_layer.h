@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
@@ -68,7 +69,7 @@ class GatewayLayer {
   bool has_shared_ = false;
   MlpWeights shared_;
   Workspace workspace_;
-  std::vector<float> logits_host_;
+  std::unique_ptr<DeviceBuffer> device_bias_;  // the bias in backend memory (device backends)
 };
 
 class ExpertShard {
@@ -99,6 +100,11 @@ class ExpertShard {
 // In bf16 mode the layer input is rounded to bf16 first (DESIGN.md: per token x is bf16).
 absl::Status RoundInput(Backend* backend, MatrixView x, Precision p);
 
+// Where one in-process forward spent its time (benchmarks).
+struct LayerTimings {
+  absl::Duration route, experts, shared, finish;
+};
+
 class LocalMoeLayer {
  public:
   // Loads layer `layer` of `checkpoint` with its experts split over `placement` (in-process).
@@ -110,7 +116,7 @@ class LocalMoeLayer {
   // out = layer(x) for host arrays x, out: [tokens, H]. routing (optional) receives the
   // router's choices.
   absl::Status Forward(const float* x, int64_t tokens, Precision p, float* out,
-                       Routing* routing = nullptr);
+                       Routing* routing = nullptr, LayerTimings* timings = nullptr);
 
   const MoeConfig& config() const { return gateway_->config(); }
   GatewayLayer& gateway() { return *gateway_; }

@@ -42,6 +42,7 @@ struct Row {
   int runs;
   int experts_touched;
   double weight_bytes, flops, bw_ms, flop_ms, roofline_ms;
+  double route_ms, experts_ms, shared_ms, finish_ms;  // stage split of the median run
 };
 
 // Bytes every step reads whatever the routing, and FLOPs per token of the dense parts.
@@ -114,21 +115,31 @@ absl::Status RunLayer(const LayerOptions& opt) {
     Routing routing;
     RETURN_IF_ERROR(
         local->Forward(x.data(), T, precision, y.data(), &routing));  // warm-up (and page-in)
-    std::vector<double> ms;
+    std::vector<std::pair<double, LayerTimings>> runs;
     double spent = 0;
-    while (static_cast<int>(ms.size()) < opt.repeat && (ms.size() < 3 || spent < opt.max_seconds)) {
+    while (static_cast<int>(runs.size()) < opt.repeat &&
+           (runs.size() < 3 || spent < opt.max_seconds)) {
+      LayerTimings timings;
       const auto t0 = std::chrono::steady_clock::now();
-      RETURN_IF_ERROR(local->Forward(x.data(), T, precision, y.data()));
+      RETURN_IF_ERROR(local->Forward(x.data(), T, precision, y.data(), nullptr, &timings));
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      ms.push_back(1e3 * s);
+      runs.push_back({1e3 * s, timings});
       spent += s;
     }
-    std::sort(ms.begin(), ms.end());
+    std::sort(runs.begin(), runs.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<double> ms;
+    for (const auto& run : runs) ms.push_back(run.first);
+    const LayerTimings& median = runs[runs.size() / 2].second;
     Row r;
     r.tokens = T;
     r.median_ms = ms[ms.size() / 2];
     r.min_ms = ms.front();
     r.runs = static_cast<int>(ms.size());
+    r.route_ms = absl::ToDoubleMilliseconds(median.route);
+    r.experts_ms = absl::ToDoubleMilliseconds(median.experts);
+    r.shared_ms = absl::ToDoubleMilliseconds(median.shared);
+    r.finish_ms = absl::ToDoubleMilliseconds(median.finish);
     r.experts_touched =
         static_cast<int>(std::set<int32_t>(routing.ids.begin(), routing.ids.end()).size());
     r.weight_bytes = dense.bytes + r.experts_touched * expert_bytes;
@@ -150,13 +161,16 @@ absl::Status RunLayer(const LayerOptions& opt) {
               load_s);
   std::printf("machine: streaming read %.1f GB/s; GEMM %.0f GFLOP/s bf16, %.0f GFLOP/s fp32 (%s)\n",
               roof.read_gbps, roof.bf16_gflops, roof.fp32_gflops, roof.gemm_source.c_str());
-  std::printf("%7s %10s %10s %8s %10s %9s %10s %10s %11s %9s\n", "tokens", "median ms", "tokens/s",
-              "experts", "weights GB", "GFLOP", "bw ms", "flop ms", "roofline ms", "x roof");
+  std::printf("%7s %10s %10s %8s %10s %9s %10s %10s %11s %9s   %s\n", "tokens", "median ms",
+              "tokens/s", "experts", "weights GB", "GFLOP", "bw ms", "flop ms", "roofline ms",
+              "x roof", "route / experts / shared / finish ms");
   for (const Row& r : rows)
-    std::printf("%7lld %10.2f %10.0f %8d %10.3f %9.2f %10.2f %10.2f %11.2f %9.2f\n",
-                static_cast<long long>(r.tokens), r.median_ms, r.tokens / (r.median_ms / 1e3),
-                r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.bw_ms, r.flop_ms,
-                r.roofline_ms, r.median_ms / r.roofline_ms);
+    std::printf(
+        "%7lld %10.2f %10.0f %8d %10.3f %9.2f %10.2f %10.2f %11.2f %9.2f   %.1f / %.1f / %.1f / "
+        "%.1f\n",
+        static_cast<long long>(r.tokens), r.median_ms, r.tokens / (r.median_ms / 1e3),
+        r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.bw_ms, r.flop_ms, r.roofline_ms,
+        r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms);
 
   if (!opt.json.empty()) {
     std::ofstream out(opt.json);
@@ -175,9 +189,11 @@ absl::Status RunLayer(const LayerOptions& opt) {
           "\"experts_touched\": %d, "
           "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
           "\"roofline_ms\": %.4f, "
-          "\"x_roofline\": %.4f}",
+          "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
+          "\"finish_ms\": %.3f}",
           i ? ", " : "", r.tokens, r.median_ms, r.min_ms, r.runs, r.experts_touched, r.weight_bytes,
-          r.flops, r.bw_ms, r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms);
+          r.flops, r.bw_ms, r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms,
+          r.experts_ms, r.shared_ms, r.finish_ms);
     }
     out << "]}\n";
   }

@@ -280,19 +280,19 @@ void TileBf16Blocked(const uint16_t* const* x, const uint16_t* const* w, const f
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
 }
 
-// fp32 mode: one FMA per 16 elements per lane; FP8 block partials when scales != null.
-template <int MR, int NR>
+// fp32 mode: one FMA per 16 elements per lane; FP8 block partials when kBlocked.
+template <int MR, int NR, bool kBlocked>
 void TileF32(const float* const* x, const float* const* w, const float* const* scales, int64_t kp,
              float* y, int64_t ldy) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t block = scales ? kFp8Block : kp;
+  const int64_t block = kBlocked ? kFp8Block : kp;
   for (int64_t b0 = 0; b0 < kp; b0 += block) {
     const int64_t b1 = std::min<int64_t>(b0 + block, kp);
     __m512 part[MR][NR];
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) part[i][j] = scales ? _mm512_setzero_ps() : acc[i][j];
+      for (int j = 0; j < NR; ++j) part[i][j] = kBlocked ? _mm512_setzero_ps() : acc[i][j];
     for (int64_t k = b0; k < b1; k += 16) {
       __m512 wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w[j] + k);
@@ -302,7 +302,7 @@ void TileF32(const float* const* x, const float* const* w, const float* const* s
       }
     }
     for (int j = 0; j < NR; ++j) {
-      if (scales) {
+      if constexpr (kBlocked) {
         const __m512 s = _mm512_set1_ps(scales[j][b0 / kFp8Block]);
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
       } else {
@@ -398,19 +398,23 @@ void TileBf16Nr(int nr, const uint16_t* const* x, const uint16_t* const* w,
 template <int MR>
 void TileF32Nr(int nr, const float* const* x, const float* const* w, const float* const* scales,
                int64_t kp, float* y, int64_t ldy) {
+  // Blocked (FP8) tiles keep two accumulator sets: only up to 3 operand rows.
   switch (nr) {
-    case 1:
-      TileF32<MR, 1>(x, w, scales, kp, y, ldy);
-      break;
-    case 2:
-      TileF32<MR, 2>(x, w, scales, kp, y, ldy);
-      break;
-    case 3:
-      TileF32<MR, 3>(x, w, scales, kp, y, ldy);
-      break;
-    case 4:
-      TileF32<MR, 4>(x, w, scales, kp, y, ldy);
-      break;
+#define MOE_TILE_F32_CASE(N)                            \
+  case N:                                               \
+    if constexpr (MR <= 3) {                            \
+      if (scales) {                                     \
+        TileF32<MR, N, true>(x, w, scales, kp, y, ldy); \
+        break;                                          \
+      }                                                 \
+    }                                                   \
+    TileF32<MR, N, false>(x, w, nullptr, kp, y, ldy);   \
+    break;
+    MOE_TILE_F32_CASE(1)
+    MOE_TILE_F32_CASE(2)
+    MOE_TILE_F32_CASE(3)
+    MOE_TILE_F32_CASE(4)
+#undef MOE_TILE_F32_CASE
   }
 }
 
@@ -440,7 +444,7 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
   // FP8 tiles keep partial and total accumulators: fewer operand rows per tile.
   // Operand rows per tile: 6 x 4 accumulators for plain bf16 tiles; FP8 tiles keep partial and
   // total accumulators (3 x 4 x 2); fp32 tiles 4 x 4.
-  const int mr_max = fp8 ? 3 : (bf16 ? 6 : 4);
+  const int mr_max = fp8 ? 3 : 6;
   auto* decoded =
       static_cast<uint8_t*>(scratch->Reserve(kMaxRowsPerTile * kp * (2 + (bf16 ? 0 : 4))));
   uint16_t* bf16_rows = reinterpret_cast<uint16_t*>(decoded);
@@ -490,7 +494,7 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
             break;
         }
       } else {
-        const float* xr[4];
+        const float* xr[6];
         for (int i = 0; i < mr; ++i) {
           const int64_t r = op.x_rows ? op.x_rows[i0 + i] : i0 + i;
           xr[i] = static_cast<const float*>(op.x) + r * op.x_stride;
@@ -505,8 +509,14 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
           case 3:
             TileF32Nr<3>(nr, xr, wrow32, scales, kp, yt, ldy);
             break;
-          default:
+          case 4:
             TileF32Nr<4>(nr, xr, wrow32, scales, kp, yt, ldy);
+            break;
+          case 5:
+            TileF32Nr<5>(nr, xr, wrow32, scales, kp, yt, ldy);
+            break;
+          default:
+            TileF32Nr<6>(nr, xr, wrow32, scales, kp, yt, ldy);
             break;
         }
       }
