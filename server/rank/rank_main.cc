@@ -35,6 +35,9 @@ int main(int argc, char** argv) {
                "checkpoint directory, if mounted elsewhere than on the gateway");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
   flags.String("backend", &options.backend, "compute backend: cpu or cuda");
+  flags.Bool(
+      "prefault", &options.prefault,
+      "touch every page of the experts at load (--prefault=false: fault them in on first use)");
   flags.Int("device", &options.device, "CUDA device (--backend cuda)");
   flags.Int("connect-timeout-s", &connect_timeout_s, "how long to wait for the gateway");
   flags.Bool("exit-on-disconnect", &exit_on_disconnect,

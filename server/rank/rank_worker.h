@@ -23,15 +23,17 @@
 namespace moe {
 
 struct RankOptions {
-  std::string gateway;      // HOST:PORT of moe-gateway
-  int requested_rank = -1;  // -1: the gateway picks
-  std::string checkpoint;   // overrides the gateway's path (other mount point)
+  std::string gateway;          // HOST:PORT of moe-gateway
+  int requested_rank = -1;      // -1: the gateway picks
+  std::string checkpoint;       // overrides the gateway's path (other mount point)
   std::string backend = "cpu";  // "cpu" or "cuda"
   int device = 0;               // CUDA device (backend cuda)
   CpuBackendOptions cpu;        // expert compute threads
   absl::Duration connect_timeout = absl::Minutes(10);  // how long to wait for the gateway
   bool reconnect = true;                               // register again when the gateway goes away
   int64_t max_message_bytes = int64_t{1} << 30;
+  // Fault in every page of the shard at load (predictable first steps; CPU backend).
+  bool prefault = true;
   // Fault injection for tests: sleep this long before answering each step.
   absl::Duration debug_step_delay = absl::ZeroDuration();
 };
