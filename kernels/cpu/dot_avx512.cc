@@ -450,6 +450,45 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
   uint16_t* bf16_rows = reinterpret_cast<uint16_t*>(decoded);
   float* f32_rows = reinterpret_cast<float*>(decoded + kMaxRowsPerTile * kp * 2);
 
+  if (fp8 && bf16 && op.m > 3) {
+    // FP8: two decoded rows at a time (they stay in L1 for K up to ~7K) and up to 6 operand
+    // rows per tile (6 x 2 partial + 6 x 2 total accumulators).
+    for (int64_t nb = n0; nb < n1; nb += 2) {
+      const int nr = static_cast<int>(std::min<int64_t>(2, n1 - nb));
+      const uint16_t* wr[2];
+      const float* sr[2];
+      for (int j = 0; j < nr; ++j) {
+        wr[j] = WeightRowBf16(w, nb + j, bf16_rows + j * kp);
+        sr[j] = Fp8RowScales(w, nb + j);
+      }
+      for (int64_t i0 = 0; i0 < op.m; i0 += 6) {
+        const int mr = static_cast<int>(std::min<int64_t>(6, op.m - i0));
+        const uint16_t* xr[6];
+        for (int i = 0; i < mr; ++i)
+          xr[i] = static_cast<const uint16_t*>(op.x) +
+                  (op.x_rows ? op.x_rows[i0 + i] : i0 + i) * op.x_stride;
+        float* yt = y + i0 * ldy + (nb - n0);
+        switch (mr * 2 + (nr - 1)) {
+#define MOE_FP8_CASE(M)                             \
+  case 2 * M:                                       \
+    TileBf16Blocked<M, 1>(xr, wr, sr, kp, yt, ldy); \
+    break;                                          \
+  case 2 * M + 1:                                   \
+    TileBf16Blocked<M, 2>(xr, wr, sr, kp, yt, ldy); \
+    break;
+          MOE_FP8_CASE(1)
+          MOE_FP8_CASE(2)
+          MOE_FP8_CASE(3)
+          MOE_FP8_CASE(4)
+          MOE_FP8_CASE(5)
+          MOE_FP8_CASE(6)
+#undef MOE_FP8_CASE
+        }
+      }
+    }
+    return;
+  }
+
   for (int64_t nb = n0; nb < n1; nb += kMaxRowsPerTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, n1 - nb));
     const uint16_t* wrow16[kMaxRowsPerTile];
