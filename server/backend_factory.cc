@@ -1,36 +1,25 @@
 #include "server/backend_factory.h"
 
 #include "absl/strings/str_cat.h"
-
-#if defined(MOE_HAVE_CUDA)
-#include "kernels/cuda/cuda_backend.h"
-#endif
+#include "transport/cuda_plugin.h"
 
 namespace moe {
 
 bool BackendBuilt(const std::string& kind) {
-#if defined(MOE_HAVE_CUDA)
-  if (kind == "cuda") return true;
-#endif
-  return kind == "cpu";
+  return kind == "cpu" || (kind == "cuda" && LoadCudaPlugin().ok());
 }
 
 bool TransportBuilt(const std::string& transport) {
-#if defined(MOE_HAVE_NCCL_TRANSPORT)
-  if (transport == "nccl") return true;
-#endif
-  return transport == "grpc";
+  return transport == "grpc" || (transport == "nccl" && LoadCudaPlugin().ok());
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, int device,
                                                        const CpuBackendOptions& cpu) {
   if (kind == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(cpu));
   if (kind == "cuda") {
-#if defined(MOE_HAVE_CUDA)
-    return CreateCudaBackend(device);
-#else
-    return absl::UnimplementedError("this build has no CUDA backend (configure with the CUDA toolkit present)");
-#endif
+    auto plugin = LoadCudaPlugin();
+    if (!plugin.ok()) return plugin.status();
+    return (*plugin)->create_backend(device);
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown backend '", kind, "' (cpu, cuda)"));
 }

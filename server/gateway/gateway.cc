@@ -14,12 +14,9 @@
 #include "server/backend_factory.h"
 #include "server/gateway/services.h"
 
-#if defined(MOE_HAVE_NCCL_TRANSPORT)
 #include <thread>
 
-#include "kernels/cuda/cuda_backend.h"
-#include "transport/nccl_transport.h"
-#endif
+#include "transport/cuda_plugin.h"
 
 namespace moe {
 namespace {
@@ -34,12 +31,15 @@ std::string NewSession() {
 absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options) {
   if (options.num_ranks < 1) return absl::InvalidArgumentError("--ranks must be at least 1");
   if (options.transport != "grpc" && options.transport != "nccl")
-    return absl::InvalidArgumentError(absl::StrCat("unknown transport '", options.transport, "' (grpc, nccl)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown transport '", options.transport, "' (grpc, nccl)"));
   if (!TransportBuilt(options.transport))
-    return absl::UnimplementedError(absl::StrCat("transport '", options.transport,
-                                                 "' is not available in this build (built without CUDA/NCCL)"));
+    return absl::UnimplementedError(
+        absl::StrCat("transport '", options.transport,
+                     "' is not available in this build (built without CUDA/NCCL)"));
   if (options.transport == "nccl" && options.backend != "cuda")
-    return absl::InvalidArgumentError("--transport nccl needs --backend cuda (NCCL moves device memory)");
+    return absl::InvalidArgumentError(
+        "--transport nccl needs --backend cuda (NCCL moves device memory)");
   std::unique_ptr<Gateway> gateway(new Gateway(options));
   ASSIGN_OR_RETURN(gateway->checkpoint_, Checkpoint::Open(options.checkpoint));
   const MoeConfig& config = gateway->checkpoint_->config();
@@ -78,9 +78,8 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   if (options.transport == "nccl") {
     gateway->nccl_ = std::make_shared<DeferredTransport>("nccl");
     steps = gateway->nccl_.get();
-#if defined(MOE_HAVE_NCCL_TRANSPORT)
-    ASSIGN_OR_RETURN(gateway->nccl_unique_id_, NewNcclUniqueId());
-#endif
+    ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
+    ASSIGN_OR_RETURN(gateway->nccl_unique_id_, plugin->new_nccl_unique_id());
   }
   ASSIGN_OR_RETURN(gateway->engine_,
                    GatewayEngine::Create(*gateway->checkpoint_, layers, std::move(placement),
@@ -105,29 +104,32 @@ Gateway::Gateway(const GatewayOptions& options) : options_(options) {}
 Gateway::~Gateway() { Shutdown(absl::Seconds(1)); }
 
 void Gateway::StartNcclGroup() {
-#if defined(MOE_HAVE_NCCL_TRANSPORT)
   // NCCL init is collective and blocks until every rank has joined, so it runs beside the
   // control plane. The thread shares ownership of what it touches: a gateway shut down while
   // ranks are still loading does not wait for it.
+  auto plugin = LoadCudaPlugin();
+  if (!plugin.ok()) return;  // Create checked it already
   auto deferred = nccl_;
   auto backend = backend_;
   auto alive = nccl_callback_;
-  NcclGatewayOptions nccl;
-  nccl.num_ranks = options_.num_ranks;
-  nccl.unique_id = nccl_unique_id_;
-  nccl.backend = static_cast<CudaBackend*>(backend.get());
-  nccl.init_timeout = options_.nccl_init_timeout;
-  std::thread([deferred, backend, alive, nccl] {
-    auto transport = NcclGatewayTransport::Create(nccl);
+  NcclGatewaySetup setup;
+  setup.num_ranks = options_.num_ranks;
+  setup.unique_id = nccl_unique_id_;
+  setup.backend = backend.get();
+  setup.init_timeout = options_.nccl_init_timeout;
+  const CudaPluginApi* api = *plugin;
+  std::thread([deferred, backend, alive, setup, api] {
+    auto transport = api->create_nccl_gateway(setup);
     if (!transport.ok()) {
-      std::fprintf(stderr, "moe-gateway: NCCL group failed to form: %s\n", transport.status().ToString().c_str());
+      std::fprintf(stderr, "moe-gateway: NCCL group failed to form: %s\n",
+                   transport.status().ToString().c_str());
       return;
     }
     deferred->Install(std::move(*transport));
-    std::fprintf(stderr, "moe-gateway: NCCL communicator formed (%d ranks + gateway)\n", nccl.num_ranks);
+    std::fprintf(stderr, "moe-gateway: NCCL communicator formed (%d ranks + gateway)\n",
+                 setup.num_ranks);
     alive->Notify();
   }).detach();
-#endif
 }
 
 absl::Status Gateway::Start() {
@@ -192,7 +194,8 @@ bool Gateway::ready() const {
 
 std::string Gateway::ReadinessMessage() const {
   std::string message = absl::StrCat(transport_->num_up(), " of ", options_.num_ranks, " ranks up");
-  if (nccl_ != nullptr && !nccl_->installed()) absl::StrAppend(&message, ", NCCL communicator not formed yet");
+  if (nccl_ != nullptr && !nccl_->installed())
+    absl::StrAppend(&message, ", NCCL communicator not formed yet");
   return message;
 }
 

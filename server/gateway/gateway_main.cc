@@ -33,7 +33,8 @@ int main(int argc, char** argv) {
   flags.String("layers", &layers,
                "served MoE layers, comma separated (default: all in the checkpoint)");
   flags.String("dtype", &dtype, "bf16 (the numerics contract) or fp32 (no intermediate rounding)");
-  flags.String("transport", &options.transport, "grpc (CPU hosts) or nccl (GPUs; needs --backend cuda)");
+  flags.String("transport", &options.transport,
+               "grpc (CPU hosts) or nccl (GPUs; needs --backend cuda)");
   flags.String("backend", &options.backend, "compute backend: cpu or cuda");
   flags.Int("device", &options.device, "CUDA device of the gateway (--backend cuda)");
   flags.String("placement", &options.placement_file,

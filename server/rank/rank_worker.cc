@@ -11,12 +11,9 @@
 #include "server/backend_factory.h"
 #include "server/grpc_status.h"
 
-#if defined(MOE_HAVE_NCCL_TRANSPORT)
 #include <thread>
 
-#include "kernels/cuda/cuda_backend.h"
-#include "transport/nccl_transport.h"
-#endif
+#include "transport/cuda_plugin.h"
 
 namespace moe {
 namespace {
@@ -161,34 +158,31 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
     if (stop_) return absl::CancelledError("stopping");
     return ServeSteps(transport);
   }
-#if defined(MOE_HAVE_NCCL_TRANSPORT)
   // NCCL carries the steps; the exchange stream stays open as the liveness channel (the
   // gateway sees this rank die when it breaks, and the rank stops when the gateway goes).
-  NcclRankOptions nccl;
-  nccl.rank = registration.nccl_rank();
-  nccl.num_ranks = registration.num_ranks();
-  nccl.unique_id = registration.nccl_unique_id();
-  nccl.backend = static_cast<CudaBackend*>(backend_.get());
-  ASSIGN_OR_RETURN(auto transport, NcclRankTransport::Create(nccl));
-  NcclRankTransport* nccl_transport = transport.get();
-  SetCancel([nccl_transport, raw_context] {
-    nccl_transport->Cancel();
+  ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
+  NcclRankSetup setup;
+  setup.rank = registration.nccl_rank();
+  setup.num_ranks = registration.num_ranks();
+  setup.unique_id = registration.nccl_unique_id();
+  setup.backend = backend_.get();
+  ASSIGN_OR_RETURN(NcclRankSession session, plugin->create_nccl_rank(setup));
+  std::function<void()> cancel = session.cancel;
+  SetCancel([cancel, raw_context] {
+    cancel();
     raw_context->TryCancel();
   });
   if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
-  std::thread watcher([&stream, nccl_transport] {
+  std::thread watcher([&stream, cancel] {
     moe::v1::internal::GatewayToRank ignored;
     while (stream->Read(&ignored)) {
     }
-    nccl_transport->Cancel();  // the gateway went away: leave the NCCL group
+    cancel();  // the gateway went away: leave the NCCL group
   });
-  absl::Status status = stop_ ? absl::CancelledError("stopping") : ServeSteps(*transport);
+  absl::Status status = stop_ ? absl::CancelledError("stopping") : ServeSteps(*session.transport);
   raw_context->TryCancel();
   watcher.join();
   return status;
-#else
-  return absl::UnimplementedError("this build has no NCCL transport");
-#endif
 }
 
 absl::Status RankWorker::ServeSteps(RankTransport& transport) {
