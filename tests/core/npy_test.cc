@@ -1,5 +1,7 @@
 #include "core/npy.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 
@@ -9,7 +11,8 @@ namespace moe {
 namespace {
 
 TEST(NpyTest, Float32RoundTrip) {
-  const std::string path = ::testing::TempDir() + "/npy_roundtrip.npy";
+  const std::string path =
+      ::testing::TempDir() + "/npy_roundtrip_" + std::to_string(getpid()) + ".npy";
   std::vector<float> data = {1.5f, -2.25f, 3.0f, 1e-3f, 7.0f, -0.0f};
   ASSERT_TRUE(WriteNpyFloat32(path, {2, 3}, data.data()).ok());
   auto read = ReadNpy(path);
@@ -20,7 +23,7 @@ TEST(NpyTest, Float32RoundTrip) {
 }
 
 TEST(NpyTest, Int32AndOneDimensional) {
-  const std::string path = ::testing::TempDir() + "/npy_ints.npy";
+  const std::string path = ::testing::TempDir() + "/npy_ints_" + std::to_string(getpid()) + ".npy";
   std::vector<int32_t> data = {3, -1, 7};
   ASSERT_TRUE(WriteNpyInt32(path, {3}, data.data()).ok());
   auto read = ReadNpy(path);

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/numerics.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 
 namespace moe {
 namespace {
@@ -24,10 +25,7 @@ namespace fs = std::filesystem;
       << "'" << std::string(haystack) << "' does not contain '" << (needle) << "'"
 
 std::string FreshDir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/checkpoint_test_" + name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
+  return testing::FreshTestDir("checkpoint_test_" + name);
 }
 
 struct TestTensor {

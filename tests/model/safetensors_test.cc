@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 
 namespace moe {
 namespace {
@@ -21,10 +22,7 @@ namespace fs = std::filesystem;
 
 // A fresh empty directory under the test temp dir.
 std::string FreshDir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/safetensors_test_" + name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
+  return testing::FreshTestDir("safetensors_test_" + name);
 }
 
 struct TestTensor {

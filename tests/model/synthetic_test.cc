@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "model/checkpoint.h"
 #include "model/safetensors.h"
+#include "tests/testing/temp_dir.h"
 
 namespace moe {
 namespace {
@@ -26,8 +27,9 @@ namespace fs = std::filesystem;
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
       << "'" << std::string(haystack) << "' does not contain '" << (needle) << "'"
 
+// A path for a checkpoint the test writes (the directory itself does not exist yet).
 std::string FreshDir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/synthetic_test_" + name;
+  const std::string dir = testing::FreshTestDir("synthetic_test_" + name);
   fs::remove_all(dir);
   return dir;
 }
