@@ -1,0 +1,186 @@
+// The gateway's concurrent core without gRPC (so ThreadSanitizer sees all of it): StepBatcher
+// and GatewayEngine over an in-process transport whose "ranks" are ExpertShards. Concurrent
+// callers on several layers must each get exactly the in-process layer's output for their own
+// rows; cancelled, expired and over-limit calls get their codes.
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "model/checkpoint.h"
+#include "model/moe_layer.h"
+#include "server/gateway/gateway_engine.h"
+#include "server/gateway/step_batcher.h"
+#include "tests/testing/test_checkpoints.h"
+
+namespace moe {
+namespace {
+
+// Ranks as in-process ExpertShards; steps are computed in Collect, in rank order.
+class LocalTransport final : public GatewayTransport {
+ public:
+  LocalTransport(const Checkpoint& checkpoint, const ExpertPlacement& placement)
+      : backend_(CpuBackendOptions{1, ""}) {
+    for (int layer : checkpoint.layers())
+      for (int r = 0; r < placement.num_ranks(); ++r) {
+        auto weights = checkpoint.LoadExperts(layer, placement.rank_experts[r]);
+        EXPECT_TRUE(weights.ok());
+        shards_[{layer, r}] =
+            std::move(*ExpertShard::Create(checkpoint.config(), *weights, &backend_));
+      }
+  }
+  std::string name() const override { return "local"; }
+  absl::Status Send(const StepDispatch& dispatch) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    sent_.insert(dispatch.step_id);
+    return absl::OkStatus();
+  }
+  absl::Status Collect(const StepDispatch& dispatch, absl::Time deadline,
+                       const std::function<absl::Status(size_t, ConstPartialView,
+                                                        const RankStepStats&)>& consume) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (sent_.erase(dispatch.step_id) != 1) return absl::InternalError("collect without send");
+    }
+    for (size_t i = 0; i < dispatch.parts.size(); ++i) {
+      const RankPart& part = dispatch.parts[i];
+      std::vector<double> partial(part.rows.rows * part.rows.cols);
+      PartialView view(partial.data(), part.rows.rows, part.rows.cols, part.rows.cols);
+      ExpertShard* shard;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        shard = shards_.at({dispatch.layer, part.rank}).get();
+      }
+      std::lock_guard<std::mutex> compute(compute_mu_);  // one shard at a time, like one process
+      if (absl::Status s = shard->Compute(part.rows, *part.assignments, dispatch.precision, view);
+          !s.ok())
+        return s;
+      if (absl::Status s = consume(i, view, RankStepStats{}); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  void Abandon(uint64_t step_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    sent_.erase(step_id);
+  }
+
+ private:
+  CpuBackend backend_;
+  std::mutex mu_, compute_mu_;
+  std::set<uint64_t> sent_;
+  std::map<std::pair<int, int>, std::unique_ptr<ExpertShard>> shards_;
+};
+
+class BatcherTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    checkpoint_ = std::move(*Checkpoint::Open(testing::TestCheckpoint("k3-mini")));
+    placement_ = ExpertPlacement::Contiguous(checkpoint_->config().routing.num_experts, 3);
+    transport_ = std::make_unique<LocalTransport>(*checkpoint_, placement_);
+    auto engine = GatewayEngine::Create(*checkpoint_, checkpoint_->layers(), placement_,
+                                        Precision::kBF16, &backend_, transport_.get());
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = std::move(*engine);
+  }
+
+  std::shared_ptr<ForwardCall> Call(int layer, int64_t tokens, uint32_t seed) {
+    auto call = std::make_shared<ForwardCall>();
+    call->layer = layer;
+    call->tokens = tokens;
+    call->input.resize(tokens * 640);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (float& v : call->input) v = normal(rng);
+    call->want_routing = true;
+    return call;
+  }
+
+  std::vector<float> InProcess(int layer, const std::vector<float>& x) {
+    auto local = LocalMoeLayer::Load(*checkpoint_, layer, placement_, &reference_backend_);
+    EXPECT_TRUE(local.ok());
+    std::vector<float> y(x.size());
+    EXPECT_TRUE((*local)->Forward(x.data(), x.size() / 640, Precision::kBF16, y.data()).ok());
+    return y;
+  }
+
+  CpuBackend backend_{CpuBackendOptions{2, ""}};
+  CpuBackend reference_backend_{CpuBackendOptions{1, ""}};
+  std::unique_ptr<Checkpoint> checkpoint_;
+  ExpertPlacement placement_;
+  std::unique_ptr<LocalTransport> transport_;
+  std::unique_ptr<GatewayEngine> engine_;
+};
+
+TEST_F(BatcherTest, ConcurrentCallersOnSeveralLayersGetTheirOwnRows) {
+  BatcherOptions options;
+  options.max_wait = absl::Milliseconds(3);
+  options.max_tokens_per_step = 96;
+  StepBatcher batcher(engine_.get(), options);
+  constexpr int kCallers = 8, kCalls = 6;
+  std::vector<std::shared_ptr<ForwardCall>> calls(kCallers * kCalls);
+  std::atomic<int> batched{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kCallers; ++c)
+    threads.emplace_back([&, c] {
+      for (int i = 0; i < kCalls; ++i) {
+        auto call =
+            Call(1 + (c + i) % 2, 1 + (c * 7 + i * 5) % 37, static_cast<uint32_t>(100 * c + i));
+        calls[c * kCalls + i] = call;
+        ASSERT_TRUE(batcher.Submit(call).ok());
+        call->done.WaitFor(absl::Seconds(60));
+        if (call->step_tokens > call->tokens) batched++;
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& call : calls) {
+    ASSERT_TRUE(call->status.ok()) << call->status;
+    ASSERT_EQ(call->routing.ids.size(), static_cast<size_t>(call->tokens * 2));
+    EXPECT_EQ(call->output, InProcess(call->layer, call->input))
+        << "layer " << call->layer << " tokens " << call->tokens;
+  }
+  EXPECT_GT(batched.load(), 0) << "some steps should have batched several callers";
+}
+
+TEST_F(BatcherTest, CancelledExpiredAndOverLimitCallsGetTheirCodes) {
+  BatcherOptions options;
+  options.max_wait = absl::Milliseconds(50);
+  options.max_queued_tokens = 40;
+  StepBatcher batcher(engine_.get(), options);
+  auto cancelled = Call(1, 5, 1);
+  cancelled->cancelled = true;
+  auto expired = Call(1, 5, 2);
+  expired->deadline = absl::Now() - absl::Seconds(1);
+  auto fine = Call(1, 5, 3);
+  ASSERT_TRUE(batcher.Submit(cancelled).ok());
+  ASSERT_TRUE(batcher.Submit(expired).ok());
+  ASSERT_TRUE(batcher.Submit(fine).ok());
+  EXPECT_EQ(batcher.Submit(Call(1, 30, 4)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(batcher.Submit(Call(9, 1, 5)).code(), absl::StatusCode::kNotFound);
+  for (auto* call : {&cancelled, &expired, &fine})
+    ASSERT_TRUE((*call)->done.WaitFor(absl::Seconds(60)));
+  EXPECT_EQ(cancelled->status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(expired->status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(fine->status.ok()) << fine->status;
+  EXPECT_EQ(fine->output, InProcess(1, fine->input));
+}
+
+TEST_F(BatcherTest, ShutdownAnswersQueuedCalls) {
+  BatcherOptions options;
+  options.max_wait = absl::Seconds(30);  // nothing runs before the shutdown
+  options.max_tokens_per_step = 1000;
+  auto call = Call(2, 3, 9);
+  {
+    StepBatcher batcher(engine_.get(), options);
+    ASSERT_TRUE(batcher.Submit(call).ok());
+  }
+  ASSERT_TRUE(call->done.WaitFor(absl::Seconds(10)));
+  EXPECT_EQ(call->status.code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace moe
