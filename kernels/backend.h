@@ -51,7 +51,7 @@ using ConstPartialView = View2D<const double>;
 struct RoutingParams {
   int num_experts = 0;
   int top_k = 0;
-  bool renormalize = true;             // w = s / (sum s + 1e-20), when top_k > 1 (as the seed gates)
+  bool renormalize = true;  // w = s / (sum s + 1e-20), when top_k > 1 (as the seed gates)
   float routed_scaling_factor = 1.0f;  // applied after renormalizing
   // DeepSeek-V3 group-limited routing: experts split in n_group groups; a token may only
   // choose experts of its topk_group best groups (group score: sum of its top-2 biased scores).

@@ -56,8 +56,12 @@ void DecodeWeightRow(const WeightMatrix& w, int64_t n, Precision p, void* out) {
   }
 }
 
-float CanonicalDotBf16(const uint16_t* x, const uint16_t* w, int64_t padded_k,
-                       const float* block_scales) {
+namespace {
+
+// The lane/block structure shared by both precisions; `chunk(acc, c)` adds the chunk starting
+// at element c into the 16 lanes and returns the chunk's length.
+template <typename Chunk>
+float CanonicalDot(int64_t padded_k, const float* block_scales, Chunk chunk) {
   float lanes[kLanes] = {};
   float part[kLanes];
   const int64_t block = block_scales ? kFp8Block : padded_k;
@@ -68,13 +72,7 @@ float CanonicalDotBf16(const uint16_t* x, const uint16_t* w, int64_t padded_k,
       acc = part;
     }
     const int64_t b1 = b0 + block < padded_k ? b0 + block : padded_k;
-    for (int64_t c = b0; c < b1; c += 2 * kLanes) {
-      for (int i = 0; i < kLanes; ++i) {
-        const int64_t e = c + 2 * i;
-        acc[i] = std::fma(Bf16BitsToFloat(w[e + 1]), Bf16BitsToFloat(x[e + 1]), acc[i]);
-        acc[i] = std::fma(Bf16BitsToFloat(w[e]), Bf16BitsToFloat(x[e]), acc[i]);
-      }
-    }
+    for (int64_t c = b0; c < b1;) c += chunk(acc, c);
     if (block_scales) {
       const float s = block_scales[b0 / kFp8Block];
       for (int i = 0; i < kLanes; ++i) lanes[i] = std::fma(part[i], s, lanes[i]);
@@ -83,25 +81,25 @@ float CanonicalDotBf16(const uint16_t* x, const uint16_t* w, int64_t padded_k,
   return ReduceLanes(lanes);
 }
 
+}  // namespace
+
+float CanonicalDotBf16(const uint16_t* x, const uint16_t* w, int64_t padded_k,
+                       const float* block_scales) {
+  return CanonicalDot(padded_k, block_scales, [&](float* acc, int64_t c) {
+    for (int i = 0; i < kLanes; ++i) {  // one VDPBF16PS: element 2i+1, then 2i
+      const int64_t e = c + 2 * i;
+      acc[i] = std::fma(Bf16BitsToFloat(w[e + 1]), Bf16BitsToFloat(x[e + 1]), acc[i]);
+      acc[i] = std::fma(Bf16BitsToFloat(w[e]), Bf16BitsToFloat(x[e]), acc[i]);
+    }
+    return int64_t{2 * kLanes};
+  });
+}
+
 float CanonicalDotF32(const float* x, const float* w, int64_t padded_k, const float* block_scales) {
-  float lanes[kLanes] = {};
-  float part[kLanes];
-  const int64_t block = block_scales ? kFp8Block : padded_k;
-  for (int64_t b0 = 0; b0 < padded_k; b0 += block) {
-    float* acc = lanes;
-    if (block_scales) {
-      for (float& v : part) v = 0.0f;
-      acc = part;
-    }
-    const int64_t b1 = b0 + block < padded_k ? b0 + block : padded_k;
-    for (int64_t c = b0; c < b1; c += kLanes)
-      for (int i = 0; i < kLanes; ++i) acc[i] = std::fma(w[c + i], x[c + i], acc[i]);
-    if (block_scales) {
-      const float s = block_scales[b0 / kFp8Block];
-      for (int i = 0; i < kLanes; ++i) lanes[i] = std::fma(part[i], s, lanes[i]);
-    }
-  }
-  return ReduceLanes(lanes);
+  return CanonicalDot(padded_k, block_scales, [&](float* acc, int64_t c) {
+    for (int i = 0; i < kLanes; ++i) acc[i] = std::fma(w[c + i], x[c + i], acc[i]);
+    return int64_t{kLanes};
+  });
 }
 
 }  // namespace moe::cpu

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/cpu/canonical.h"
+#include "kernels/shape_checks.h"
 
 namespace moe {
 namespace {
@@ -26,18 +27,6 @@ class HostBuffer final : public DeviceBuffer {
   size_t bytes_;
   void* data_;
 };
-
-absl::Status ShapeError(absl::string_view op, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));
-}
-
-template <typename A, typename B>
-absl::Status CheckSameShape(absl::string_view op, const View2D<A>& a, const View2D<B>& b) {
-  if (a.rows != b.rows || a.cols != b.cols)
-    return ShapeError(
-        op, absl::StrCat("shape [", a.rows, ", ", a.cols, "] vs [", b.rows, ", ", b.cols, "]"));
-  return absl::OkStatus();
-}
 
 // Splits [0, n) into `parts` ranges whose boundaries are multiples of `align`.
 void SplitAligned(int64_t n, int parts, int64_t align, int part, int64_t* begin, int64_t* end) {

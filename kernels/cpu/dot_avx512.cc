@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/canonical.h"
 #include "kernels/cpu/dot.h"
@@ -418,6 +419,30 @@ void TileF32Nr(int nr, const float* const* x, const float* const* w, const float
   }
 }
 
+// Calls tile(std::integral_constant<int, mr>, operand row pointers) for a runtime mr in [1, 6].
+template <typename T, typename Tile>
+void DispatchTile(const DotOperands& op, int64_t i0, int mr, Tile&& tile) {
+  const T* xr[6];
+  for (int i = 0; i < mr; ++i) {
+    const int64_t r = op.x_rows ? op.x_rows[i0 + i] : i0 + i;
+    xr[i] = static_cast<const T*>(op.x) + r * op.x_stride;
+  }
+  switch (mr) {
+    case 1:
+      return tile(std::integral_constant<int, 1>{}, xr);
+    case 2:
+      return tile(std::integral_constant<int, 2>{}, xr);
+    case 3:
+      return tile(std::integral_constant<int, 3>{}, xr);
+    case 4:
+      return tile(std::integral_constant<int, 4>{}, xr);
+    case 5:
+      return tile(std::integral_constant<int, 5>{}, xr);
+    default:
+      return tile(std::integral_constant<int, 6>{}, xr);
+  }
+}
+
 void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
                    DotScratch* scratch) {
   const WeightMatrix& w = *op.w;
@@ -507,57 +532,15 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
       const int mr = static_cast<int>(std::min<int64_t>(mr_max, op.m - i0));
       float* yt = y + i0 * ldy + (nb - n0);
       if (bf16) {
-        const uint16_t* xr[6];
-        for (int i = 0; i < mr; ++i) {
-          const int64_t r = op.x_rows ? op.x_rows[i0 + i] : i0 + i;
-          xr[i] = static_cast<const uint16_t*>(op.x) + r * op.x_stride;
-        }
-        switch (mr) {
-          case 1:
-            TileBf16Nr<1>(nr, xr, wrow16, scales, kp, yt, ldy);
-            break;
-          case 2:
-            TileBf16Nr<2>(nr, xr, wrow16, scales, kp, yt, ldy);
-            break;
-          case 3:
-            TileBf16Nr<3>(nr, xr, wrow16, scales, kp, yt, ldy);
-            break;
-          case 4:
-            TileBf16Nr<4>(nr, xr, wrow16, nullptr, kp, yt, ldy);
-            break;
-          case 5:
-            TileBf16Nr<5>(nr, xr, wrow16, nullptr, kp, yt, ldy);
-            break;
-          default:
-            TileBf16Nr<6>(nr, xr, wrow16, nullptr, kp, yt, ldy);
-            break;
-        }
+        DispatchTile<uint16_t>(op, i0, mr, [&](auto tag, const uint16_t* const* xr) {
+          constexpr int kMr = decltype(tag)::value;
+          // Only FP8 tiles (at most 3 operand rows) take block scales.
+          TileBf16Nr<kMr>(nr, xr, wrow16, kMr <= 3 ? scales : nullptr, kp, yt, ldy);
+        });
       } else {
-        const float* xr[6];
-        for (int i = 0; i < mr; ++i) {
-          const int64_t r = op.x_rows ? op.x_rows[i0 + i] : i0 + i;
-          xr[i] = static_cast<const float*>(op.x) + r * op.x_stride;
-        }
-        switch (mr) {
-          case 1:
-            TileF32Nr<1>(nr, xr, wrow32, scales, kp, yt, ldy);
-            break;
-          case 2:
-            TileF32Nr<2>(nr, xr, wrow32, scales, kp, yt, ldy);
-            break;
-          case 3:
-            TileF32Nr<3>(nr, xr, wrow32, scales, kp, yt, ldy);
-            break;
-          case 4:
-            TileF32Nr<4>(nr, xr, wrow32, scales, kp, yt, ldy);
-            break;
-          case 5:
-            TileF32Nr<5>(nr, xr, wrow32, scales, kp, yt, ldy);
-            break;
-          default:
-            TileF32Nr<6>(nr, xr, wrow32, scales, kp, yt, ldy);
-            break;
-        }
+        DispatchTile<float>(op, i0, mr, [&](auto tag, const float* const* xr) {
+          TileF32Nr<decltype(tag)::value>(nr, xr, wrow32, scales, kp, yt, ldy);
+        });
       }
     }
   }

@@ -1,5 +1,7 @@
 #include "kernels/cuda/cuda_backend.h"
 
+#include "kernels/shape_checks.h"
+
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -39,18 +41,6 @@ size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 // elements (16-byte rows for the vector loads and cuBLAS).
 int64_t OperandCols(WeightFormat f, int64_t k) {
   return f == WeightFormat::kFP8Block128 ? RoundUp(k, kFp8Block) : RoundUp(k, 8);
-}
-
-absl::Status ShapeError(absl::string_view op, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));
-}
-
-template <typename A, typename B>
-absl::Status CheckSameShape(absl::string_view op, const View2D<A>& a, const View2D<B>& b) {
-  if (a.rows != b.rows || a.cols != b.cols)
-    return ShapeError(
-        op, absl::StrCat("shape [", a.rows, ", ", a.cols, "] vs [", b.rows, ", ", b.cols, "]"));
-  return absl::OkStatus();
 }
 
 template <typename T>
