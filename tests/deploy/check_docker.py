@@ -248,11 +248,16 @@ class Checker:
 
     def runtime_packages(self):
         script = self.source / "docker" / "runtime-packages.sh"
-        bins = [str(self.bindir / b) for b in dc.BINARIES]
+        # "//abs/path": the per-binary headers ldd prints ("//abs/path/moe-gateway:") then sort
+        # before every /lib path, as a build tree under /builds or /ci would; the script must skip
+        # them (it once stopped at the first one and printed nothing).
+        bins = ["/" + str((self.bindir / b).resolve()) for b in dc.BINARIES]
         out = subprocess.run([str(script)] + bins, capture_output=True, text=True, timeout=120)
         if not self.f.check(out.returncode == 0, f"runtime-packages.sh failed: {out.stderr.strip()}"):
             return
         packages = out.stdout.split()
+        if not self.f.check(bool(packages), f"runtime-packages.sh printed no packages; stderr: {out.stderr.strip()}"):
+            return
         for p in packages:
             q = subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True)
             self.f.check("install ok installed" in q.stdout, f"runtime-packages.sh names {p}, which is not installed")
