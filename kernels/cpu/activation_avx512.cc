@@ -107,7 +107,7 @@ void PackRowAvx512(const float* x, int64_t k, WeightFormat format, Precision pre
   const int64_t kp = PaddedK(k);
   const int64_t full =
       k & ~(kPadK - 1);  // whole 128-element groups; the tail goes the portable way
-  if (precision == Precision::kFP32 && format != WeightFormat::kMXFP4) {
+  if (precision == Precision::kFP32 && format == WeightFormat::kBF16) {
     std::memcpy(out, x, k * sizeof(float));
     std::memset(static_cast<float*>(out) + k, 0, (kp - k) * sizeof(float));
     return;
@@ -117,9 +117,29 @@ void PackRowAvx512(const float* x, int64_t k, WeightFormat format, Precision pre
     return;
   }
   auto* o = static_cast<uint16_t*>(out);
-  if (format != WeightFormat::kMXFP4) {
+  auto words32 = [](const float* p) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(Bf16BitsV(_mm512_loadu_ps(p))),
+                              Bf16BitsV(_mm512_loadu_ps(p + 16)), 1);
+  };
+  if (format == WeightFormat::kBF16) {
     for (int64_t i = 0; i < full; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), Bf16BitsV(_mm512_loadu_ps(x + i)));
+  } else if (format == WeightFormat::kFP8Block128) {
+    // Per 64-element group, run r (32 words) holds elements 16L + 8r + j: one two-source
+    // permute of the group's two natural-order halves per run.
+    alignas(64) static const auto kRunIndex = [] {
+      std::array<std::array<uint16_t, 32>, 2> idx{};
+      for (int r = 0; r < 2; ++r)
+        for (int p = 0; p < 32; ++p) idx[r][p] = static_cast<uint16_t>(16 * (p / 8) + 8 * r + p % 8);
+      return idx;
+    }();
+    const __m512i run0 = _mm512_load_si512(kRunIndex[0].data());
+    const __m512i run1 = _mm512_load_si512(kRunIndex[1].data());
+    for (int64_t g = 0; g < full; g += 64) {
+      const __m512i a = words32(x + g), b = words32(x + g + 32);
+      _mm512_storeu_si512(o + g, _mm512_permutex2var_epi16(a, run0, b));
+      _mm512_storeu_si512(o + g + 32, _mm512_permutex2var_epi16(a, run1, b));
+    }
   } else {
     // Per 128-element group, run j (32 words) holds elements 4w + j: words w < 16 come from
     // the group's first 64 elements, w >= 16 from the last 64, each by one two-source permute.
@@ -129,10 +149,6 @@ void PackRowAvx512(const float* x, int64_t k, WeightFormat format, Precision pre
         for (int w = 0; w < 32; ++w) idx[j][w] = static_cast<uint16_t>((4 * w + j) & 63);
       return idx;
     }();
-    auto words32 = [](const float* p) {
-      return _mm512_inserti64x4(_mm512_castsi256_si512(Bf16BitsV(_mm512_loadu_ps(p))),
-                                Bf16BitsV(_mm512_loadu_ps(p + 16)), 1);
-    };
     for (int64_t g = 0; g < full; g += 128) {
       const __m512i a = words32(x + g), b = words32(x + g + 32), c = words32(x + g + 64),
                     d = words32(x + g + 96);

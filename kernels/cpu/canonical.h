@@ -5,10 +5,13 @@
 // element y = x . w is defined as one exact sequence of fp32 operations, which every CPU
 // kernel reproduces bit for bit:
 //
-//  * Both operands are laid out in the weight format's element order (identity, except
-//    MXFP4: each 128-element group is stored as four runs of 32, run j holding elements
-//    4w + j, so that the four nibbles of one 16-bit word of packed weights decode by shifts,
-//    without shuffles) and zero-padded to a multiple of 128.
+//  * Both operands are laid out in the weight format's element order and zero-padded to a
+//    multiple of 128. bf16: identity. MXFP4: each 128-element group is stored as four runs
+//    of 32, run j holding elements 4w + j, so that the four nibbles of one 16-bit word of
+//    packed weights decode by shifts, without shuffles. FP8: each 64-element group is stored
+//    as two runs of 32, run r holding elements 16L + 8r + j (L = 0..3, j = 0..7), the order
+//    in which per-128-bit-lane byte unpacking leaves 64 decoded bytes (no widening shuffle).
+//    Permutations stay inside a 64-element group, so FP8 scale blocks keep their elements.
 //  * bf16 mode: 16 fp32 lanes; the 32-element chunk c adds to lane i, in this order,
 //    w[32c+2i+1]*x[32c+2i+1] then w[32c+2i]*x[32c+2i] (each product exact, each add rounded):
 //    the semantics of one AVX-512 VDPBF16PS.
@@ -37,10 +40,19 @@ inline int64_t PaddedK(int64_t k) { return (k + kPadK - 1) / kPadK * kPadK; }
 
 // Position of logical element k in the format's canonical order.
 inline int64_t CanonicalIndex(WeightFormat f, int64_t k) {
-  if (f != WeightFormat::kMXFP4) return k;
-  const int64_t group = k & ~int64_t{127};
-  const int64_t e = k & 127;
-  return group + (e & 3) * 32 + (e >> 2);
+  switch (f) {
+    case WeightFormat::kBF16:
+      return k;
+    case WeightFormat::kMXFP4: {
+      const int64_t e = k & 127;
+      return (k & ~int64_t{127}) + (e & 3) * 32 + (e >> 2);
+    }
+    case WeightFormat::kFP8Block128: {
+      const int64_t e = k & 63;
+      return (k & ~int64_t{63}) + ((e & 8) ? 32 : 0) + (e >> 4) * 8 + (e & 7);
+    }
+  }
+  return k;
 }
 
 // Writes one activation row in canonical order: bf16 bits (kBF16, rounded to nearest even)

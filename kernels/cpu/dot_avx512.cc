@@ -139,59 +139,67 @@ void DecodeMxfp4RowBf16(const uint8_t* packed, const uint8_t* scales, int64_t co
   }
 }
 
-// FP8 E4M3 -> exact bf16 bits by table: the 7-bit magnitude indexes 128 bf16 patterns
-// (subnormals and NaN included) held in four registers; the sign bit is moved to bit 15.
+// FP8 E4M3 -> exact bf16 bits, 64 elements at a time, with no widening: the 7-bit magnitude
+// indexes two 128-byte tables (the high and the low byte of its bf16 pattern, subnormals and
+// NaN included) by one two-source byte permute each; the sign bit is merged into the high
+// byte; unpacking interleaves the bytes into words. Unpacking works per 128-bit lane, which
+// is what makes FP8's canonical order (canonical.h): the first 32 words are elements
+// 16L + j, the second 32 elements 16L + 8 + j (L = 0..3, j = 0..7).
 class Fp8Decoder {
  public:
   Fp8Decoder() {
-    const uint16_t* t = Table();
-    t0_ = _mm512_load_si512(t);
-    t1_ = _mm512_load_si512(t + 32);
-    t2_ = _mm512_load_si512(t + 64);
-    t3_ = _mm512_load_si512(t + 96);
+    const uint8_t* t = Tables();
+    hi0_ = _mm512_load_si512(t);
+    hi1_ = _mm512_load_si512(t + 64);
+    lo0_ = _mm512_load_si512(t + 128);
+    lo1_ = _mm512_load_si512(t + 192);
   }
-  // 32 FP8 bytes -> 32 bf16 values.
-  __m512i operator()(__m256i bytes) const {
-    const __m512i v = _mm512_cvtepu8_epi16(bytes);
-    const __m512i low =
-        _mm512_permutex2var_epi16(t0_, v, t1_);  // magnitudes 0..63 (index bits 0..5)
-    const __m512i high = _mm512_permutex2var_epi16(t2_, v, t3_);  // magnitudes 64..127
-    const __m512i magnitude =
-        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(v, _mm512_set1_epi16(0x40)), low, high);
-    // magnitude | ((v << 8) & 0x8000)
-    return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(v, 8),
-                                     _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
+  void operator()(__m512i bytes, __m512i* first, __m512i* second) const {
+    // vpermt2b reads index bits 0..6 only: the sign bit does not disturb the lookup.
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0_, bytes, hi1_),
+                                                 bytes, _mm512_set1_epi8(static_cast<char>(0x80)),
+                                                 0xF8);  // A | (B & C)
+    const __m512i lo = _mm512_permutex2var_epi8(lo0_, bytes, lo1_);
+    *first = _mm512_unpacklo_epi8(lo, hi);
+    *second = _mm512_unpackhi_epi8(lo, hi);
   }
 
  private:
-  static const uint16_t* Table() {
-    alignas(64) static uint16_t table[128];
+  // [high bytes of magnitudes 0..127][low bytes of magnitudes 0..127]
+  static const uint8_t* Tables() {
+    alignas(64) static uint8_t tables[256];
     static const bool filled = [] {
-      for (int m = 0; m < 128; ++m)
-        table[m] = FloatToBf16Bits(Fp8E4m3ToFloat(static_cast<uint8_t>(m)));
+      for (int m = 0; m < 128; ++m) {
+        const uint16_t bits = FloatToBf16Bits(Fp8E4m3ToFloat(static_cast<uint8_t>(m)));
+        tables[m] = static_cast<uint8_t>(bits >> 8);
+        tables[128 + m] = static_cast<uint8_t>(bits & 0xFF);
+      }
       return true;
     }();
     (void)filled;
-    return table;
+    return tables;
   }
-  __m512i t0_, t1_, t2_, t3_;
+  __m512i hi0_, hi1_, lo0_, lo1_;
 };
 
 void DecodeFp8RowBf16(const uint8_t* row, int64_t cols, uint16_t* out) {
   const Fp8Decoder Fp8ToBf16;
   const int64_t kp = PaddedK(cols);
-  for (int64_t k = 0; k < kp; k += 32) {
-    __m512i bits;
-    if (k + 32 <= cols) {
+  for (int64_t k = 0; k < kp; k += 64) {
+    __m512i bytes;
+    if (k + 64 <= cols) {
       _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
-      bits = Fp8ToBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
+      bytes = _mm512_loadu_si512(row + k);
     } else if (k < cols) {
-      const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (cols - k)) - 1);
-      bits = _mm512_maskz_mov_epi16(m, Fp8ToBf16(_mm256_maskz_loadu_epi8(m, row + k)));
+      // Missing elements are byte 0, which decodes to +0.
+      bytes = _mm512_maskz_loadu_epi8((uint64_t{1} << (cols - k)) - 1, row + k);
     } else {
-      bits = _mm512_setzero_si512();
+      bytes = _mm512_setzero_si512();
     }
-    _mm512_storeu_si512(out + k, bits);
+    __m512i first, second;
+    Fp8ToBf16(bytes, &first, &second);
+    _mm512_storeu_si512(out + k, first);
+    _mm512_storeu_si512(out + k + 32, second);
   }
 }
 
@@ -252,19 +260,36 @@ void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, fl
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
 }
 
-// bf16 mode with FP8 block-128 partials: lanes = fma(partial, scale_inv, lanes).
+// bf16 mode with FP8 block-128 partials: lanes = fma(partial, scale_inv, lanes), over the K
+// slice [k0, k1) (multiples of 128). The lane totals carry over between slices in `carry`
+// (MR x NR x 16 floats): `first` starts them at zero, otherwise they are loaded; `last` reduces
+// them into y, otherwise they are stored. Storing and reloading fp32 lanes is exact, so slicing
+// K does not change a bit of the canonical order.
+// Software prefetch spread over the blocks of many tile calls: `per_block` cache lines of
+// [next, end) each time a tile starts a 128-element block.
+struct PrefetchCursor {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t per_block = 0;
+  void Step() {
+    for (int64_t i = 0; i < per_block && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 template <int MR, int NR>
 void TileBf16Blocked(const uint16_t* const* x, const uint16_t* const* w, const float* const* scales,
-                     int64_t kp, float* y, int64_t ldy) {
+                     int64_t k0, int64_t k1, float* carry, bool first, bool last, float* y,
+                     int64_t ldy, PrefetchCursor* prefetch) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < kp; b0 += kFp8Block) {
-    const int64_t b1 = std::min<int64_t>(b0 + kFp8Block, kp);
+    for (int j = 0; j < NR; ++j)
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(carry + 16 * (i * NR + j));
+  for (int64_t b0 = k0; b0 < k1; b0 += kFp8Block) {
+    prefetch->Step();
     __m512 part[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) part[i][j] = _mm512_setzero_ps();
-    for (int64_t k = b0; k < b1; k += 32) {
+    for (int64_t k = b0; k < b0 + kFp8Block; k += 32) {
       __m512bh wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
       for (int i = 0; i < MR; ++i) {
@@ -278,7 +303,13 @@ void TileBf16Blocked(const uint16_t* const* x, const uint16_t* const* w, const f
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
+    for (int j = 0; j < NR; ++j) {
+      if (last) {
+        y[i * ldy + j] = ReduceTree(acc[i][j]);
+      } else {
+        _mm512_store_ps(carry + 16 * (i * NR + j), acc[i][j]);
+      }
+    }
 }
 
 // fp32 mode: one FMA per 16 elements per lane; FP8 block partials when kBlocked.
@@ -373,26 +404,19 @@ void FusedMxfp4Rows(const DotOperands& op, const uint16_t* const* x, int64_t n0,
   }
 }
 
-// Dispatches a runtime (mr, nr) to the template instance.
+// Dispatches a runtime nr to the template instance.
 template <int MR>
-void TileBf16Nr(int nr, const uint16_t* const* x, const uint16_t* const* w,
-                const float* const* scales, int64_t kp, float* y, int64_t ldy) {
+void TileBf16Nr(int nr, const uint16_t* const* x, const uint16_t* const* w, int64_t kp, float* y,
+                int64_t ldy) {
   switch (nr) {
-#define MOE_TILE_CASE(N)                                  \
-  case N:                                                 \
-    if constexpr (MR <= 3) {                              \
-      if (scales) {                                       \
-        TileBf16Blocked<MR, N>(x, w, scales, kp, y, ldy); \
-        break;                                            \
-      }                                                   \
-    }                                                     \
-    TileBf16<MR, N>(x, w, kp, y, ldy);                    \
-    break;
-    MOE_TILE_CASE(1)
-    MOE_TILE_CASE(2)
-    MOE_TILE_CASE(3)
-    MOE_TILE_CASE(4)
-#undef MOE_TILE_CASE
+    case 1:
+      return TileBf16<MR, 1>(x, w, kp, y, ldy);
+    case 2:
+      return TileBf16<MR, 2>(x, w, kp, y, ldy);
+    case 3:
+      return TileBf16<MR, 3>(x, w, kp, y, ldy);
+    default:
+      return TileBf16<MR, 4>(x, w, kp, y, ldy);
   }
 }
 
@@ -443,6 +467,93 @@ void DispatchTile(const DotOperands& op, int64_t i0, int mr, Tile&& tile) {
   }
 }
 
+// FP8 weights in bf16 mode. Weight rows are decoded to exact bf16 kFp8GroupRows at a time (each
+// row once per call, however many operand rows), then K is walked in slices of kFp8SliceK so
+// that an operand tile's slice and the group's slice stay in L1 while every tile of the group
+// reuses them (unsliced, the operand rows streamed from L2 for every pair of weight rows). Tiles
+// are up to 6 x 2, or m x 4 for m <= 3: partial and total accumulators both live in registers.
+constexpr int kFp8GroupRows = 8;
+constexpr int64_t kFp8SliceK = 1024;
+
+void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                 DotScratch* scratch) {
+  if (op.m <= 0) return;
+  const WeightMatrix& w = *op.w;
+  const int64_t kp = PaddedK(w.cols);
+  const int mr_max = op.m <= 3 ? static_cast<int>(op.m) : 6;
+  const int nr_max = op.m <= 3 ? 4 : 2;
+  const int64_t i_tiles = (op.m + mr_max - 1) / mr_max;
+  const int64_t carry_per_tile = int64_t{16} * mr_max * nr_max;
+  const int64_t carry_per_row_tile = carry_per_tile * (kFp8GroupRows / nr_max);
+  auto* base = static_cast<uint8_t*>(scratch->Reserve(
+      kFp8GroupRows * kp * sizeof(uint16_t) + i_tiles * carry_per_row_tile * sizeof(float)));
+  auto* rows = reinterpret_cast<uint16_t*>(base);
+  // kp is a multiple of 128, so the carry area starts 64-byte aligned.
+  auto* carry = reinterpret_cast<float*>(base + kFp8GroupRows * kp * sizeof(uint16_t));
+
+  for (int64_t nb = n0; nb < n1; nb += kFp8GroupRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kFp8GroupRows, n1 - nb));
+    const uint16_t* wr[kFp8GroupRows];
+    const float* sr[kFp8GroupRows];
+    for (int j = 0; j < nr; ++j) {
+      wr[j] = WeightRowBf16(w, nb + j, rows + j * kp);
+      sr[j] = Fp8RowScales(w, nb + j);
+    }
+    // The next group's stored bytes (contiguous rows) are requested into L2 while this group
+    // computes, so that the memory stream overlaps the arithmetic instead of alternating.
+    PrefetchCursor prefetch;
+    const int64_t next_rows = std::min<int64_t>(kFp8GroupRows, n1 - nb - nr);
+    if (next_rows > 0) {
+      prefetch.next = static_cast<const char*>(w.data) + (nb + nr) * w.cols;
+      prefetch.end = prefetch.next + next_rows * w.cols;
+      const int64_t blocks = (kp / kFp8Block) * i_tiles * ((nr + nr_max - 1) / nr_max);
+      prefetch.per_block = ((prefetch.end - prefetch.next) / 64 + blocks) / blocks;
+    }
+    for (int64_t k0 = 0; k0 < kp; k0 += kFp8SliceK) {
+      const int64_t k1 = std::min(k0 + kFp8SliceK, kp);
+      for (int64_t it = 0; it < i_tiles; ++it) {
+        const int64_t i0 = it * mr_max;
+        const int mr = static_cast<int>(std::min<int64_t>(mr_max, op.m - i0));
+        const uint16_t* xr[6];
+        for (int i = 0; i < mr; ++i)
+          xr[i] = static_cast<const uint16_t*>(op.x) +
+                  (op.x_rows ? op.x_rows[i0 + i] : i0 + i) * op.x_stride;
+        for (int j0 = 0; j0 < nr; j0 += nr_max) {
+          const int nt = std::min(nr_max, nr - j0);
+          float* c = carry + it * carry_per_row_tile + (j0 / nr_max) * carry_per_tile;
+          float* yt = y + i0 * ldy + (nb - n0) + j0;
+          const bool first = k0 == 0, last = k1 == kp;
+          switch (mr * 8 + nt) {
+#define MOE_FP8_CASE(M, N)                                                             \
+  case M * 8 + N:                                                                      \
+    TileBf16Blocked<M, N>(xr, wr + j0, sr + j0, k0, k1, c, first, last, yt, ldy, &prefetch); \
+    break;
+            MOE_FP8_CASE(1, 1)
+            MOE_FP8_CASE(1, 2)
+            MOE_FP8_CASE(1, 3)
+            MOE_FP8_CASE(1, 4)
+            MOE_FP8_CASE(2, 1)
+            MOE_FP8_CASE(2, 2)
+            MOE_FP8_CASE(2, 3)
+            MOE_FP8_CASE(2, 4)
+            MOE_FP8_CASE(3, 1)
+            MOE_FP8_CASE(3, 2)
+            MOE_FP8_CASE(3, 3)
+            MOE_FP8_CASE(3, 4)
+            MOE_FP8_CASE(4, 1)
+            MOE_FP8_CASE(4, 2)
+            MOE_FP8_CASE(5, 1)
+            MOE_FP8_CASE(5, 2)
+            MOE_FP8_CASE(6, 1)
+            MOE_FP8_CASE(6, 2)
+#undef MOE_FP8_CASE
+          }
+        }
+      }
+    }
+  }
+}
+
 void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
                    DotScratch* scratch) {
   const WeightMatrix& w = *op.w;
@@ -466,53 +577,14 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
   const int64_t kp = PaddedK(w.cols);
   const bool bf16 = op.precision == Precision::kBF16;
   const bool fp8 = w.format == WeightFormat::kFP8Block128;
-  // FP8 tiles keep partial and total accumulators: fewer operand rows per tile.
-  // Operand rows per tile: 6 x 4 accumulators for plain bf16 tiles; FP8 tiles keep partial and
-  // total accumulators (3 x 4 x 2); fp32 tiles 4 x 4.
+  if (fp8 && bf16) return Fp8Bf16Rows(op, n0, n1, y, ldy, scratch);
+  // Operand rows per tile: 6 x 4 accumulators for bf16 tiles; fp32 FP8 tiles keep partial and
+  // total accumulators (3 x 4 x 2).
   const int mr_max = fp8 ? 3 : 6;
   auto* decoded =
       static_cast<uint8_t*>(scratch->Reserve(kMaxRowsPerTile * kp * (2 + (bf16 ? 0 : 4))));
   uint16_t* bf16_rows = reinterpret_cast<uint16_t*>(decoded);
   float* f32_rows = reinterpret_cast<float*>(decoded + kMaxRowsPerTile * kp * 2);
-
-  if (fp8 && bf16 && op.m > 3) {
-    // FP8: two decoded rows at a time (they stay in L1 for K up to ~7K) and up to 6 operand
-    // rows per tile (6 x 2 partial + 6 x 2 total accumulators).
-    for (int64_t nb = n0; nb < n1; nb += 2) {
-      const int nr = static_cast<int>(std::min<int64_t>(2, n1 - nb));
-      const uint16_t* wr[2];
-      const float* sr[2];
-      for (int j = 0; j < nr; ++j) {
-        wr[j] = WeightRowBf16(w, nb + j, bf16_rows + j * kp);
-        sr[j] = Fp8RowScales(w, nb + j);
-      }
-      for (int64_t i0 = 0; i0 < op.m; i0 += 6) {
-        const int mr = static_cast<int>(std::min<int64_t>(6, op.m - i0));
-        const uint16_t* xr[6];
-        for (int i = 0; i < mr; ++i)
-          xr[i] = static_cast<const uint16_t*>(op.x) +
-                  (op.x_rows ? op.x_rows[i0 + i] : i0 + i) * op.x_stride;
-        float* yt = y + i0 * ldy + (nb - n0);
-        switch (mr * 2 + (nr - 1)) {
-#define MOE_FP8_CASE(M)                             \
-  case 2 * M:                                       \
-    TileBf16Blocked<M, 1>(xr, wr, sr, kp, yt, ldy); \
-    break;                                          \
-  case 2 * M + 1:                                   \
-    TileBf16Blocked<M, 2>(xr, wr, sr, kp, yt, ldy); \
-    break;
-          MOE_FP8_CASE(1)
-          MOE_FP8_CASE(2)
-          MOE_FP8_CASE(3)
-          MOE_FP8_CASE(4)
-          MOE_FP8_CASE(5)
-          MOE_FP8_CASE(6)
-#undef MOE_FP8_CASE
-        }
-      }
-    }
-    return;
-  }
 
   for (int64_t nb = n0; nb < n1; nb += kMaxRowsPerTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, n1 - nb));
@@ -533,9 +605,7 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
       float* yt = y + i0 * ldy + (nb - n0);
       if (bf16) {
         DispatchTile<uint16_t>(op, i0, mr, [&](auto tag, const uint16_t* const* xr) {
-          constexpr int kMr = decltype(tag)::value;
-          // Only FP8 tiles (at most 3 operand rows) take block scales.
-          TileBf16Nr<kMr>(nr, xr, wrow16, kMr <= 3 ? scales : nullptr, kp, yt, ldy);
+          TileBf16Nr<decltype(tag)::value>(nr, xr, wrow16, kp, yt, ldy);
         });
       } else {
         DispatchTile<float>(op, i0, mr, [&](auto tag, const float* const* xr) {
