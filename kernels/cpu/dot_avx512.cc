@@ -467,6 +467,78 @@ void DispatchTile(const DotOperands& op, int64_t i0, int mr, Tile&& tile) {
   }
 }
 
+// FP8 weights decoded in registers and consumed at once, for few operand rows (where decoding
+// and streaming the weights is the whole cost): MR operand rows x NR weight rows read side by
+// side, each row prefetched kPrefetchBytes ahead, so the memory stream stays steady instead of
+// alternating with tile work. Same canonical order as the decode-to-scratch tiles.
+template <int MR, int NR>
+void FusedFp8Tile(const uint16_t* const* x, const uint8_t* const* rows, const float* const* scales,
+                  int64_t cols, float* y, int64_t ldy) {
+  const Fp8Decoder decoder;
+  const int64_t kp = PaddedK(cols);
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < kp; b0 += kFp8Block) {
+    __m512 part[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) part[i][r] = _mm512_setzero_ps();
+    for (int64_t k = b0; k < b0 + kFp8Block; k += 64) {
+      __m512bh x0[MR], x1[MR];
+      for (int i = 0; i < MR; ++i) {
+        x0[i] = (__m512bh)_mm512_loadu_si512(x[i] + k);
+        x1[i] = (__m512bh)_mm512_loadu_si512(x[i] + k + 32);
+      }
+      for (int r = 0; r < NR; ++r) {
+        __m512i bytes;
+        if (k + 64 <= cols) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r] + k) + kPrefetchBytes, _MM_HINT_T0);
+          bytes = _mm512_loadu_si512(rows[r] + k);
+        } else if (k < cols) {
+          bytes = _mm512_maskz_loadu_epi8((uint64_t{1} << (cols - k)) - 1, rows[r] + k);
+        } else {
+          bytes = _mm512_setzero_si512();
+        }
+        __m512i first, second;
+        decoder(bytes, &first, &second);
+        for (int i = 0; i < MR; ++i) {
+          part[i][r] = _mm512_dpbf16_ps(part[i][r], x0[i], (__m512bh)first);
+          part[i][r] = _mm512_dpbf16_ps(part[i][r], x1[i], (__m512bh)second);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 s = _mm512_set1_ps(scales[r][b0 / kFp8Block]);
+      for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_fmadd_ps(part[i][r], s, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) y[i * ldy + r] = ReduceTree(acc[i][r]);
+}
+
+template <int MR, int NR>
+void FusedFp8Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const WeightMatrix& w = *op.w;
+  const uint16_t* xr[MR];
+  for (int i = 0; i < MR; ++i)
+    xr[i] = static_cast<const uint16_t*>(op.x) + (op.x_rows ? op.x_rows[i] : i) * op.x_stride;
+  const uint8_t* rows[NR];
+  const float* scales[NR];
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    for (int r = 0; r < NR; ++r) {
+      rows[r] = static_cast<const uint8_t*>(w.data) + (n + r) * w.cols;
+      scales[r] = Fp8RowScales(w, n + r);
+    }
+    FusedFp8Tile<MR, NR>(xr, rows, scales, w.cols, y + (n - n0), ldy);
+  }
+  for (; n < n1; ++n) {
+    rows[0] = static_cast<const uint8_t*>(w.data) + n * w.cols;
+    scales[0] = Fp8RowScales(w, n);
+    FusedFp8Tile<MR, 1>(xr, rows, scales, w.cols, y + (n - n0), ldy);
+  }
+}
+
 // FP8 weights in bf16 mode. Weight rows are decoded to exact bf16 kFp8GroupRows at a time (each
 // row once per call, however many operand rows), then K is walked in slices of kFp8SliceK so
 // that an operand tile's slice and the group's slice stay in L1 while every tile of the group
@@ -477,7 +549,18 @@ constexpr int64_t kFp8SliceK = 1024;
 
 void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
                  DotScratch* scratch) {
-  if (op.m <= 0) return;
+  switch (op.m) {
+    case 0:
+      return;
+    case 1:
+      return FusedFp8Rows<1, 4>(op, n0, n1, y, ldy);
+    case 2:
+      return FusedFp8Rows<2, 4>(op, n0, n1, y, ldy);
+    case 3:
+      return FusedFp8Rows<3, 2>(op, n0, n1, y, ldy);
+    default:
+      break;
+  }
   const WeightMatrix& w = *op.w;
   const int64_t kp = PaddedK(w.cols);
   const int mr_max = op.m <= 3 ? static_cast<int>(op.m) : 6;

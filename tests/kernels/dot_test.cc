@@ -61,7 +61,7 @@ TEST_P(DotTest, PortableMatchesFp64ReferenceAndVectorKernelsMatchBitForBit) {
   for (int64_t k : {32, 64, 96, 200, 320, 1000, 3584}) {
     if (format == WeightFormat::kMXFP4 && k % 32 != 0) continue;
     for (int64_t n : {1, 5, 13}) {
-      for (int64_t m : {1, 3, 5, 9}) {
+      for (int64_t m : {1, 2, 3, 4, 5, 6, 9}) {
         const uint32_t seed = static_cast<uint32_t>(k * 131 + n * 17 + m);
         RandomWeight w(format, n, k, seed);
         const auto x = RandomActivations(m, k, seed + 1, precision == Precision::kBF16);
@@ -97,6 +97,49 @@ INSTANTIATE_TEST_SUITE_P(AllFormats, DotTest,
                                                               WeightFormat::kMXFP4,
                                                               WeightFormat::kFP8Block128),
                                             ::testing::Values(Precision::kBF16, Precision::kFP32)));
+
+// Every FP8 E4M3 code decodes to its exact value in every kernel path: one-hot operand rows
+// pick single weights (row 0 holds all 254 finite codes), for m = 1 (the in-register path) and
+// m = 254 (the decode-to-scratch tiles); a NaN code makes its row NaN in both.
+TEST(Fp8DecodeTest, EveryCodeExactInEveryPath) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vbmi"))
+    GTEST_SKIP() << "AVX-512 BF16 not available";
+  std::vector<uint8_t> codes;
+  for (int c = 0; c < 256; ++c)
+    if ((c & 0x7F) != 0x7F) codes.push_back(static_cast<uint8_t>(c));
+  const int64_t k = static_cast<int64_t>(codes.size());  // 254: a partial last 128-block
+  std::vector<uint8_t> data(2 * k, 0x38);                // row 1: 1.0 everywhere but one NaN
+  std::copy(codes.begin(), codes.end(), data.begin());
+  data[k + 100] = 0xFF;
+  const std::vector<float> scales(2 * ((k + 127) / 128), 1.0f);
+  WeightMatrix w;
+  w.format = WeightFormat::kFP8Block128;
+  w.rows = 2;
+  w.cols = k;
+  w.data = data.data();
+  w.scales = scales.data();
+  std::vector<float> one_hot(k * k, 0.0f);
+  for (int64_t i = 0; i < k; ++i) one_hot[i * k + i] = 1.0f;
+  const Problem pr = Pack(one_hot, k, k, w.format, Precision::kBF16);
+  for (const int64_t m : {int64_t{1}, k}) {
+    std::vector<float> y;
+    if (m == 1) {
+      for (int64_t i = 0; i < k; ++i) {
+        const int32_t row = static_cast<int32_t>(i);
+        const auto yi = RunDot(*Avx512DotKernels(), pr, 1, w, Precision::kBF16, &row);
+        y.insert(y.end(), yi.begin(), yi.end());
+      }
+    } else {
+      y = RunDot(*Avx512DotKernels(), pr, m, w, Precision::kBF16);
+    }
+    for (int64_t i = 0; i < k; ++i) {
+      const float expected = Fp8E4m3ToFloat(codes[i]);
+      ASSERT_EQ(y[i * 2], expected) << "m=" << m << " code 0x" << std::hex << int{codes[i]};
+      ASSERT_TRUE(std::isnan(y[i * 2 + 1])) << "m=" << m << " row " << i;
+    }
+  }
+}
 
 // Row indirection (x_rows) gives the same results as a gathered copy.
 TEST(DotIndirectionTest, RowListEqualsGatheredRows) {
