@@ -333,6 +333,7 @@ int main(int argc, char** argv) {
     std::fprintf(
         stderr,
         "usage: moe-bench layer --checkpoint DIR [flags]   the layer next to the roofline\n"
+        "       moe-bench kernels [--stream]             dot kernels per weight format\n"
         "       moe-bench roofline                       the machine's limits\n");
     return command == "--help" ? 0 : 2;
   }
