@@ -101,12 +101,10 @@ absl::StatusOr<WeightVector> CpuBackend::PrepareVector(const WeightVector& host)
 }
 
 int64_t CpuBackend::PackRows(ConstMatrixView x, WeightFormat format, Precision p,
-                             std::vector<uint8_t>* buffer) {
+                             cpu::AlignedBuffer* buffer) {
   const int64_t stride = cpu::PaddedK(x.cols);
   const size_t elem = p == Precision::kBF16 ? 2 : 4;
-  if (buffer->size() < static_cast<size_t>(x.rows * stride) * elem)
-    buffer->resize(x.rows * stride * elem);
-  uint8_t* base = buffer->data();
+  uint8_t* base = buffer->Reserve(x.rows * stride * elem);
   pool_.ParallelFor(x.rows, [&](int64_t b, int64_t e, int) {
     for (int64_t r = b; r < e; ++r)
       kernels_->pack_row(x.Row(r), x.cols, format, p, base + r * stride * elem);
@@ -279,8 +277,7 @@ absl::Status CpuBackend::ExpertMlp(ConstMatrixView x, const ExpertAssignments& a
   // Hidden activations of every assignment, packed for the down projection.
   const int64_t h_stride = cpu::PaddedK(hidden);
   const int64_t assignments = asg.num_assignments();
-  if (packed_hidden_.size() < static_cast<size_t>(assignments * h_stride) * elem)
-    packed_hidden_.resize(assignments * h_stride * elem);
+  packed_hidden_.Reserve(assignments * h_stride * elem);
   const int threads = pool_.num_threads();
   const int64_t align = kernels_->row_block;
 

@@ -14,15 +14,26 @@
 
 namespace moe::cpu {
 
-// Per-thread scratch a kernel may grow (decoded weight rows); reused across calls.
-struct DotScratch {
-  std::vector<uint8_t> bytes;
-  void* Reserve(size_t n) {
-    if (bytes.size() < n + 64) bytes.resize(n + 64);
-    const auto addr = reinterpret_cast<uintptr_t>(bytes.data());
-    return bytes.data() + ((64 - addr % 64) % 64);
+// A growable byte buffer whose data starts on a 64-byte boundary, so that vector loads of
+// packed rows (strides are multiples of 256 bytes) never split cache lines. Reused across
+// calls; Reserve does not keep the contents.
+class AlignedBuffer {
+ public:
+  uint8_t* Reserve(size_t n) {
+    if (bytes_.size() < n + 64) bytes_.resize(n + 64);
+    const auto addr = reinterpret_cast<uintptr_t>(bytes_.data());
+    data_ = bytes_.data() + ((64 - addr % 64) % 64);
+    return data_;
   }
+  uint8_t* data() const { return data_; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  uint8_t* data_ = nullptr;
 };
+
+// Per-thread scratch a kernel may grow (decoded weight rows).
+using DotScratch = AlignedBuffer;
 
 struct DotOperands {
   const void* x = nullptr;  // packed rows: bf16 bits (kBF16) or fp32 (kFP32), canonical order
