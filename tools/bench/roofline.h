@@ -16,7 +16,8 @@ struct Roofline {
 // `threads`: worker threads for the bandwidth run (the GEMM library uses its own).
 Roofline MeasureRoofline(int threads, double buffer_gb = 2.0);
 
-// Streaming read of `bytes` bytes by `threads` threads, median GB/s of `repeats` passes.
+// Streaming read of `bytes` bytes by `threads` threads, the best GB/s of `repeats` passes (a
+// roofline is what the machine can do; on a shared host the slower passes measure neighbours).
 double MeasureReadBandwidth(int threads, size_t bytes, int repeats);
 
 // Best of a few large square GEMMs; 0 when the library is not available.
