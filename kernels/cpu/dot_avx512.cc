@@ -182,22 +182,23 @@ class Fp8Decoder {
   __m512i hi0_, hi1_, lo0_, lo1_;
 };
 
+// Stored bytes [k, k + 64) of an FP8 row of `cols`; past the end they are 0, which decodes to
+// +0 (the zero padding). Streamed rows are prefetched kPrefetchBytes ahead.
+inline __m512i LoadFp8Bytes(const uint8_t* row, int64_t cols, int64_t k) {
+  if (k + 64 <= cols) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+    return _mm512_loadu_si512(row + k);
+  }
+  if (k < cols) return _mm512_maskz_loadu_epi8((uint64_t{1} << (cols - k)) - 1, row + k);
+  return _mm512_setzero_si512();
+}
+
 void DecodeFp8RowBf16(const uint8_t* row, int64_t cols, uint16_t* out) {
   const Fp8Decoder Fp8ToBf16;
   const int64_t kp = PaddedK(cols);
   for (int64_t k = 0; k < kp; k += 64) {
-    __m512i bytes;
-    if (k + 64 <= cols) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
-      bytes = _mm512_loadu_si512(row + k);
-    } else if (k < cols) {
-      // Missing elements are byte 0, which decodes to +0.
-      bytes = _mm512_maskz_loadu_epi8((uint64_t{1} << (cols - k)) - 1, row + k);
-    } else {
-      bytes = _mm512_setzero_si512();
-    }
     __m512i first, second;
-    Fp8ToBf16(bytes, &first, &second);
+    Fp8ToBf16(LoadFp8Bytes(row, cols, k), &first, &second);
     _mm512_storeu_si512(out + k, first);
     _mm512_storeu_si512(out + k + 32, second);
   }
@@ -486,17 +487,8 @@ inline void FusedFp8Blocks(const Fp8Decoder& decoder, const uint16_t* const* x, 
   for (int b = 0; b < NB; ++b) {
     for (int h = 0; h < 2; ++h) {
       const int64_t k = b0 + b * kFp8Block + h * 64;
-      __m512i bytes;
-      if (k + 64 <= cols) {
-        _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
-        bytes = _mm512_loadu_si512(row + k);
-      } else if (k < cols) {
-        bytes = _mm512_maskz_loadu_epi8((uint64_t{1} << (cols - k)) - 1, row + k);
-      } else {
-        bytes = _mm512_setzero_si512();
-      }
       __m512i first, second;
-      decoder(bytes, &first, &second);
+      decoder(LoadFp8Bytes(row, cols, k), &first, &second);
       for (int i = 0; i < MR; ++i) {
         part[b][i] = _mm512_dpbf16_ps(part[b][i], (__m512bh)_mm512_loadu_si512(x[i] + k),
                                       (__m512bh)first);
