@@ -20,7 +20,7 @@ namespace moe::cpu {
 namespace {
 
 constexpr int kMaxRowsPerTile = 4;    // NR: weight rows per tile
-constexpr int kPrefetchBytes = 2048;  // how far ahead streamed weight bytes are requested
+constexpr int kPrefetchBytes = 4096;  // how far ahead streamed weight bytes are requested
 
 inline float ReduceTree(__m512 v) {
   const __m256 r8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
