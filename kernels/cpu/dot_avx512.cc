@@ -654,8 +654,13 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
   uint16_t* bf16_rows = reinterpret_cast<uint16_t*>(decoded);
   float* f32_rows = reinterpret_cast<float*>(decoded + kMaxRowsPerTile * kp * 2);
 
-  for (int64_t nb = n0; nb < n1; nb += kMaxRowsPerTile) {
-    const int nr = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, n1 - nb));
+  // bf16 weights against 1-2 operand rows are read straight from memory: one row at a time
+  // keeps one sequential stream per thread, which streams ~1.2x faster here than 4 rows side
+  // by side (the accumulator chain is not the limit at this arithmetic intensity).
+  const int64_t rows_per_tile =
+      (bf16 && w.format == WeightFormat::kBF16 && op.m <= 2) ? 1 : kMaxRowsPerTile;
+  for (int64_t nb = n0; nb < n1; nb += rows_per_tile) {
+    const int nr = static_cast<int>(std::min<int64_t>(rows_per_tile, n1 - nb));
     const uint16_t* wrow16[kMaxRowsPerTile];
     const float* wrow32[kMaxRowsPerTile];
     const float* scale_rows[kMaxRowsPerTile];
