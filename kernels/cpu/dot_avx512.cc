@@ -524,13 +524,16 @@ void FusedFp8Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64
   }
 }
 
-// FP8 weights in bf16 mode. Weight rows are decoded to exact bf16 kFp8GroupRows at a time (each
-// row once per call, however many operand rows), then K is walked in slices of kFp8SliceK so
-// that an operand tile's slice and the group's slice stay in L1 while every tile of the group
-// reuses them (unsliced, the operand rows streamed from L2 for every pair of weight rows). Tiles
-// are up to 6 x 2, or m x 4 for m <= 3: partial and total accumulators both live in registers.
+// FP8 weights in bf16 mode. Up to 3 operand rows: FusedFp8Rows. More: weight rows are decoded
+// to exact bf16 kFp8GroupRows at a time (each row once per call, however many operand rows),
+// then K is walked in slices of kFp8SliceK so that an operand tile's slice and the group's slice
+// stay in L1 while every tile of the group reuses them (unsliced, the operand rows streamed from
+// L2 for every pair of weight rows). Tiles are up to 6 x 2: partial and total accumulators both
+// live in registers.
 constexpr int kFp8GroupRows = 8;
 constexpr int64_t kFp8SliceK = 1024;
+constexpr int kFp8TileRows = 6;  // operand rows per tile
+constexpr int kFp8TileCols = 2;  // weight rows per tile
 
 void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
                  DotScratch* scratch) {
@@ -548,11 +551,9 @@ void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_
   }
   const WeightMatrix& w = *op.w;
   const int64_t kp = PaddedK(w.cols);
-  const int mr_max = op.m <= 3 ? static_cast<int>(op.m) : 6;
-  const int nr_max = op.m <= 3 ? 4 : 2;
-  const int64_t i_tiles = (op.m + mr_max - 1) / mr_max;
-  const int64_t carry_per_tile = int64_t{16} * mr_max * nr_max;
-  const int64_t carry_per_row_tile = carry_per_tile * (kFp8GroupRows / nr_max);
+  const int64_t i_tiles = (op.m + kFp8TileRows - 1) / kFp8TileRows;
+  constexpr int64_t carry_per_tile = int64_t{16} * kFp8TileRows * kFp8TileCols;
+  constexpr int64_t carry_per_row_tile = carry_per_tile * (kFp8GroupRows / kFp8TileCols);
   auto* base = static_cast<uint8_t*>(scratch->Reserve(
       kFp8GroupRows * kp * sizeof(uint16_t) + i_tiles * carry_per_row_tile * sizeof(float)));
   auto* rows = reinterpret_cast<uint16_t*>(base);
@@ -574,21 +575,22 @@ void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_
     if (next_rows > 0) {
       prefetch.next = static_cast<const char*>(w.data) + (nb + nr) * w.cols;
       prefetch.end = prefetch.next + next_rows * w.cols;
-      const int64_t blocks = (kp / kFp8Block) * i_tiles * ((nr + nr_max - 1) / nr_max);
+      const int64_t blocks =
+          (kp / kFp8Block) * i_tiles * ((nr + kFp8TileCols - 1) / kFp8TileCols);
       prefetch.per_block = ((prefetch.end - prefetch.next) / 64 + blocks) / blocks;
     }
     for (int64_t k0 = 0; k0 < kp; k0 += kFp8SliceK) {
       const int64_t k1 = std::min(k0 + kFp8SliceK, kp);
       for (int64_t it = 0; it < i_tiles; ++it) {
-        const int64_t i0 = it * mr_max;
-        const int mr = static_cast<int>(std::min<int64_t>(mr_max, op.m - i0));
-        const uint16_t* xr[6];
+        const int64_t i0 = it * kFp8TileRows;
+        const int mr = static_cast<int>(std::min<int64_t>(kFp8TileRows, op.m - i0));
+        const uint16_t* xr[kFp8TileRows];
         for (int i = 0; i < mr; ++i)
           xr[i] = static_cast<const uint16_t*>(op.x) +
                   (op.x_rows ? op.x_rows[i0 + i] : i0 + i) * op.x_stride;
-        for (int j0 = 0; j0 < nr; j0 += nr_max) {
-          const int nt = std::min(nr_max, nr - j0);
-          float* c = carry + it * carry_per_row_tile + (j0 / nr_max) * carry_per_tile;
+        for (int j0 = 0; j0 < nr; j0 += kFp8TileCols) {
+          const int nt = std::min(kFp8TileCols, nr - j0);
+          float* c = carry + it * carry_per_row_tile + (j0 / kFp8TileCols) * carry_per_tile;
           float* yt = y + i0 * ldy + (nb - n0) + j0;
           const bool first = k0 == 0, last = k1 == kp;
           switch (mr * 8 + nt) {
@@ -598,16 +600,10 @@ void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_
     break;
             MOE_FP8_CASE(1, 1)
             MOE_FP8_CASE(1, 2)
-            MOE_FP8_CASE(1, 3)
-            MOE_FP8_CASE(1, 4)
             MOE_FP8_CASE(2, 1)
             MOE_FP8_CASE(2, 2)
-            MOE_FP8_CASE(2, 3)
-            MOE_FP8_CASE(2, 4)
             MOE_FP8_CASE(3, 1)
             MOE_FP8_CASE(3, 2)
-            MOE_FP8_CASE(3, 3)
-            MOE_FP8_CASE(3, 4)
             MOE_FP8_CASE(4, 1)
             MOE_FP8_CASE(4, 2)
             MOE_FP8_CASE(5, 1)
