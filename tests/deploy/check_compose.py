@@ -19,8 +19,6 @@ compose_cpu_test.py; compose.yaml cannot run here (no GPU, no Docker), so this i
 usage: check_compose.py [--bin-dir DIR] [--source-dir DIR]
 """
 
-import argparse
-import os
 import re
 import sys
 from pathlib import Path
@@ -162,12 +160,7 @@ class ComposeFile:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--bin-dir", default=None)
-    parser.add_argument("--source-dir", default=str(dc.SOURCE_DIR))
-    args = parser.parse_args()
-    source = Path(args.source_dir)
-    bindir = dc.bin_dir(args.bin_dir)
+    _, source, bindir = dc.parse_check_args()
     f = dc.Failures("check_compose")
     try:
         gpu = ComposeFile(source / "deploy" / "compose.yaml", bindir, f)

@@ -21,8 +21,6 @@
 usage: check_docker.py [--bin-dir DIR] [--source-dir DIR] [--configure]
 """
 
-import argparse
-import fnmatch
 import os
 import re
 import shlex
@@ -315,13 +313,10 @@ class Checker:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--bin-dir", default=None)
-    parser.add_argument("--source-dir", default=str(dc.SOURCE_DIR))
-    parser.add_argument("--configure", action="store_true")
-    args = parser.parse_args()
+    args, source, bindir = dc.parse_check_args(
+        lambda parser: parser.add_argument("--configure", action="store_true"))
     try:
-        Checker(Path(args.source_dir), dc.bin_dir(args.bin_dir), args.configure).run()
+        Checker(source, bindir, args.configure).run()
     except dc.CheckFailed as e:
         print(f"check_docker: FAIL: {e}", file=sys.stderr)
         sys.exit(1)

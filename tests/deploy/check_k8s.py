@@ -27,7 +27,6 @@ Semantics:
 usage: check_k8s.py [--bin-dir DIR] [--source-dir DIR]
 """
 
-import argparse
 import os
 import re
 import shutil
@@ -544,12 +543,9 @@ class Checker:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--bin-dir", default=None)
-    parser.add_argument("--source-dir", default=str(dc.SOURCE_DIR))
-    args = parser.parse_args()
+    _, source, bindir = dc.parse_check_args()
     try:
-        Checker(Path(args.source_dir), dc.bin_dir(args.bin_dir)).run()
+        Checker(source, bindir).run()
     except dc.CheckFailed as e:
         print(f"check_k8s: FAIL: {e}", file=sys.stderr)
         sys.exit(1)

@@ -15,7 +15,6 @@ the label rank=<ordinal>. Nothing else may be scraped.
 usage: check_prometheus_k8s.py [--bin-dir DIR] [--source-dir DIR]
 """
 
-import argparse
 import copy
 import json
 import re
@@ -36,12 +35,7 @@ def sanitize(name):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--bin-dir", default=None)
-    parser.add_argument("--source-dir", default=str(dc.SOURCE_DIR))
-    args = parser.parse_args()
-    source = Path(args.source_dir)
-    bindir = dc.bin_dir(args.bin_dir)
+    _, source, bindir = dc.parse_check_args()
     f = dc.Failures("check_prometheus_k8s")
     config_path = source / "deploy" / "prometheus" / "prometheus-k8s.yml"
     config = yaml.safe_load(config_path.read_text())

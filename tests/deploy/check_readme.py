@@ -16,7 +16,6 @@
 usage: check_readme.py [--bin-dir DIR] [--source-dir DIR]
 """
 
-import argparse
 import json
 import re
 import shlex
@@ -54,12 +53,7 @@ def code(cell):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--bin-dir", default=None)
-    parser.add_argument("--source-dir", default=str(dc.SOURCE_DIR))
-    args = parser.parse_args()
-    source = Path(args.source_dir)
-    bindir = dc.bin_dir(args.bin_dir)
+    _, source, bindir = dc.parse_check_args()
     f = dc.Failures("check_readme")
     text = section(source / "README.md", "Deployment")
     if text is None:

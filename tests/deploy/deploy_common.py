@@ -2,6 +2,7 @@
 argument lists and shell snippets checked against them, and compose files as compose resolves
 them. Python 3 standard library + python3-yaml only."""
 
+import argparse
 import os
 import re
 import shlex
@@ -53,6 +54,18 @@ class Failures:
 def bin_dir(explicit=None):
     d = explicit or os.environ.get("MOE_BIN_DIR") or str(SOURCE_DIR / "build" / "bin")
     return Path(d).resolve()
+
+
+def parse_check_args(add_arguments=None):
+    """The command line every check shares (--bin-dir, --source-dir, plus what `add_arguments`
+    adds to the parser); returns (args, source directory, binary directory)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bin-dir", default=None)
+    parser.add_argument("--source-dir", default=str(SOURCE_DIR))
+    if add_arguments:
+        add_arguments(parser)
+    args = parser.parse_args()
+    return args, Path(args.source_dir), bin_dir(args.bin_dir)
 
 
 # ---- flags from --help --------------------------------------------------------------------------
