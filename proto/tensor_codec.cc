@@ -45,21 +45,23 @@ int ElementSize(moe::v1::DType dtype) {
 absl::StatusOr<HostTensor> DecodeTensor(const moe::v1::Tensor& tensor, const char* what) {
   const int elem = ElementSize(tensor.dtype());
   if (elem == 0)
-    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", moe::v1::DType_Name(tensor.dtype()),
+    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ",
+                                                   moe::v1::DType_Name(tensor.dtype()),
                                                    " is not supported (BF16, FP16, FP32)"));
   HostTensor out;
   int64_t n = 1;
   for (int64_t d : tensor.shape()) {
-    if (d < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": negative dimension in shape"));
+    if (d < 0)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": negative dimension in shape"));
     if (d > 0 && n > std::numeric_limits<int64_t>::max() / d / elem)
       return absl::InvalidArgumentError(absl::StrCat(what, ": shape too large"));
     n *= d;
     out.shape.push_back(d);
   }
   if (tensor.data().size() != static_cast<size_t>(n) * elem)
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", tensor.data().size(), " bytes of data, shape [",
-                                                   absl::StrJoin(out.shape, ", "), "] of ", DTypeName(tensor.dtype()),
-                                                   " needs ", n * elem));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", tensor.data().size(), " bytes of data, shape [", absl::StrJoin(out.shape, ", "),
+        "] of ", DTypeName(tensor.dtype()), " needs ", n * elem));
   out.values.resize(n);
   const char* p = tensor.data().data();
   switch (tensor.dtype()) {
@@ -86,10 +88,11 @@ absl::StatusOr<HostTensor> DecodeTensor(const moe::v1::Tensor& tensor, const cha
   return out;
 }
 
-absl::Status EncodeTensor(const float* values, const std::vector<int64_t>& shape, moe::v1::DType dtype,
-                          moe::v1::Tensor* out) {
+absl::Status EncodeTensor(const float* values, const std::vector<int64_t>& shape,
+                          moe::v1::DType dtype, moe::v1::Tensor* out) {
   const int elem = ElementSize(dtype);
-  if (elem == 0) return absl::InvalidArgumentError(absl::StrCat("cannot encode dtype ", DTypeName(dtype)));
+  if (elem == 0)
+    return absl::InvalidArgumentError(absl::StrCat("cannot encode dtype ", DTypeName(dtype)));
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   out->Clear();

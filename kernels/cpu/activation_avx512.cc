@@ -130,7 +130,8 @@ void PackRowAvx512(const float* x, int64_t k, WeightFormat format, Precision pre
     alignas(64) static const auto kRunIndex = [] {
       std::array<std::array<uint16_t, 32>, 2> idx{};
       for (int r = 0; r < 2; ++r)
-        for (int p = 0; p < 32; ++p) idx[r][p] = static_cast<uint16_t>(16 * (p / 8) + 8 * r + p % 8);
+        for (int p = 0; p < 32; ++p)
+          idx[r][p] = static_cast<uint16_t>(16 * (p / 8) + 8 * r + p % 8);
       return idx;
     }();
     const __m512i run0 = _mm512_load_si512(kRunIndex[0].data());

@@ -58,8 +58,7 @@ class CpuBackend final : public Backend {
 
  private:
   // Packs rows of x in `format`'s canonical order into `buffer`; returns the row stride.
-  int64_t PackRows(ConstMatrixView x, WeightFormat format, Precision p,
-                   cpu::AlignedBuffer* buffer);
+  int64_t PackRows(ConstMatrixView x, WeightFormat format, Precision p, cpu::AlignedBuffer* buffer);
   // Splits weight rows [0, n) over the pool in kernel-friendly blocks.
   void ForRowBlocks(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn);
 
@@ -67,8 +66,8 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   std::mutex mu_;  // one op at a time: the pool and the workspaces are shared
   std::vector<cpu::DotScratch> scratch_;        // per pool thread
-  cpu::AlignedBuffer packed_x_;       // packed activations of the current op
-  cpu::AlignedBuffer packed_hidden_;  // ExpertMlp: packed activations of the hidden layer
+  cpu::AlignedBuffer packed_x_;                 // packed activations of the current op
+  cpu::AlignedBuffer packed_hidden_;            // ExpertMlp: packed activations of the hidden layer
   std::vector<std::vector<float>> thread_out_;  // per-thread dot results
 };
 

@@ -156,8 +156,8 @@ class Fp8Decoder {
   }
   void operator()(__m512i bytes, __m512i* first, __m512i* second) const {
     // vpermt2b reads index bits 0..6 only: the sign bit does not disturb the lookup.
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0_, bytes, hi1_),
-                                                 bytes, _mm512_set1_epi8(static_cast<char>(0x80)),
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0_, bytes, hi1_), bytes,
+                                                 _mm512_set1_epi8(static_cast<char>(0x80)),
                                                  0xF8);  // A | (B & C)
     const __m512i lo = _mm512_permutex2var_epi8(lo0_, bytes, lo1_);
     *first = _mm512_unpacklo_epi8(lo, hi);
@@ -273,7 +273,8 @@ struct PrefetchCursor {
   const char* end = nullptr;
   int64_t per_block = 0;
   void Step() {
-    for (int64_t i = 0; i < per_block && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+    for (int64_t i = 0; i < per_block && next < end; ++i, next += 64)
+      _mm_prefetch(next, _MM_HINT_T1);
   }
 };
 
@@ -490,8 +491,8 @@ inline void FusedFp8Blocks(const Fp8Decoder& decoder, const uint16_t* const* x, 
       __m512i first, second;
       decoder(LoadFp8Bytes(row, cols, k), &first, &second);
       for (int i = 0; i < MR; ++i) {
-        part[b][i] = _mm512_dpbf16_ps(part[b][i], (__m512bh)_mm512_loadu_si512(x[i] + k),
-                                      (__m512bh)first);
+        part[b][i] =
+            _mm512_dpbf16_ps(part[b][i], (__m512bh)_mm512_loadu_si512(x[i] + k), (__m512bh)first);
         part[b][i] = _mm512_dpbf16_ps(part[b][i], (__m512bh)_mm512_loadu_si512(x[i] + k + 32),
                                       (__m512bh)second);
       }
@@ -519,7 +520,8 @@ void FusedFp8Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64
     int64_t b0 = 0;
     for (; b0 + kFusedFp8Blocks * kFp8Block <= kp; b0 += kFusedFp8Blocks * kFp8Block)
       FusedFp8Blocks<MR, kFusedFp8Blocks>(decoder, xr, row, scales, w.cols, b0, acc);
-    for (; b0 < kp; b0 += kFp8Block) FusedFp8Blocks<MR, 1>(decoder, xr, row, scales, w.cols, b0, acc);
+    for (; b0 < kp; b0 += kFp8Block)
+      FusedFp8Blocks<MR, 1>(decoder, xr, row, scales, w.cols, b0, acc);
     for (int i = 0; i < MR; ++i) y[i * ldy + (n - n0)] = ReduceTree(acc[i]);
   }
 }
@@ -575,8 +577,7 @@ void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_
     if (next_rows > 0) {
       prefetch.next = static_cast<const char*>(w.data) + (nb + nr) * w.cols;
       prefetch.end = prefetch.next + next_rows * w.cols;
-      const int64_t blocks =
-          (kp / kFp8Block) * i_tiles * ((nr + kFp8TileCols - 1) / kFp8TileCols);
+      const int64_t blocks = (kp / kFp8Block) * i_tiles * ((nr + kFp8TileCols - 1) / kFp8TileCols);
       prefetch.per_block = ((prefetch.end - prefetch.next) / 64 + blocks) / blocks;
     }
     for (int64_t k0 = 0; k0 < kp; k0 += kFp8SliceK) {
@@ -594,8 +595,8 @@ void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_
           float* yt = y + i0 * ldy + (nb - n0) + j0;
           const bool first = k0 == 0, last = k1 == kp;
           switch (mr * 8 + nt) {
-#define MOE_FP8_CASE(M, N)                                                             \
-  case M * 8 + N:                                                                      \
+#define MOE_FP8_CASE(M, N)                                                                   \
+  case M * 8 + N:                                                                            \
     TileBf16Blocked<M, N>(xr, wr + j0, sr + j0, k0, k1, c, first, last, yt, ldy, &prefetch); \
     break;
             MOE_FP8_CASE(1, 1)

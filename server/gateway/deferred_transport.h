@@ -24,14 +24,16 @@ class DeferredTransport final : public GatewayTransport {
   std::string name() const override { return name_; }
   absl::Status Send(const StepDispatch& dispatch) override {
     GatewayTransport* t = Get();
-    if (t == nullptr) return absl::UnavailableError(absl::StrCat(name_, " transport is not connected yet"));
+    if (t == nullptr)
+      return absl::UnavailableError(absl::StrCat(name_, " transport is not connected yet"));
     return t->Send(dispatch);
   }
   absl::Status Collect(const StepDispatch& dispatch, absl::Time deadline,
-                       const std::function<absl::Status(size_t, ConstPartialView, const RankStepStats&)>& consume)
-      override {
+                       const std::function<absl::Status(size_t, ConstPartialView,
+                                                        const RankStepStats&)>& consume) override {
     GatewayTransport* t = Get();
-    if (t == nullptr) return absl::UnavailableError(absl::StrCat(name_, " transport is not connected yet"));
+    if (t == nullptr)
+      return absl::UnavailableError(absl::StrCat(name_, " transport is not connected yet"));
     return t->Collect(dispatch, deadline, consume);
   }
   void Abandon(uint64_t step_id) override {

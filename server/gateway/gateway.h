@@ -41,9 +41,9 @@ struct GatewayOptions {
   std::string placement_file;      // explicit rank -> experts map; default: contiguous ranges
   BatcherOptions batcher;
   int64_t max_request_tokens = 4096;
-  std::string backend = "cpu";                   // "cpu" or "cuda"
-  int device = 0;                                // CUDA device (backend cuda)
-  CpuBackendOptions cpu;                         // gateway compute threads
+  std::string backend = "cpu";  // "cpu" or "cuda"
+  int device = 0;               // CUDA device (backend cuda)
+  CpuBackendOptions cpu;        // gateway compute threads
   // NCCL: how long the communicator may take to form (ranks load their experts first).
   absl::Duration nccl_init_timeout = absl::Minutes(30);
   int64_t max_message_bytes = int64_t{1} << 30;  // gRPC message limit (large K3 batches)
