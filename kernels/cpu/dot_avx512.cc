@@ -240,6 +240,13 @@ void WidenBf16Row(const uint16_t* in, int64_t kp, float* out) {
 
 // ---- tiles ---------------------------------------------------------------------------------
 
+// Pointers to operand rows i0 .. i0 + mr - 1 (through x_rows when the op gathers them).
+template <typename T>
+void OperandRows(const DotOperands& op, int64_t i0, int64_t mr, const T** xr) {
+  for (int64_t i = 0; i < mr; ++i)
+    xr[i] = static_cast<const T*>(op.x) + (op.x_rows ? op.x_rows[i0 + i] : i0 + i) * op.x_stride;
+}
+
 // MR operand rows x NR weight rows, bf16 mode, no block scales.
 template <int MR, int NR>
 void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, float* y,
@@ -261,11 +268,6 @@ void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, fl
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
 }
 
-// bf16 mode with FP8 block-128 partials: lanes = fma(partial, scale_inv, lanes), over the K
-// slice [k0, k1) (multiples of 128). The lane totals carry over between slices in `carry`
-// (MR x NR x 16 floats): `first` starts them at zero, otherwise they are loaded; `last` reduces
-// them into y, otherwise they are stored. Storing and reloading fp32 lanes is exact, so slicing
-// K does not change a bit of the canonical order.
 // Software prefetch spread over the blocks of many tile calls: `per_block` cache lines of
 // [next, end) each time a tile starts a 128-element block.
 struct PrefetchCursor {
@@ -278,6 +280,11 @@ struct PrefetchCursor {
   }
 };
 
+// bf16 mode with FP8 block-128 partials: lanes = fma(partial, scale_inv, lanes), over the K
+// slice [k0, k1) (multiples of 128). The lane totals carry over between slices in `carry`
+// (MR x NR x 16 floats): `first` starts them at zero, otherwise they are loaded; `last` reduces
+// them into y, otherwise they are stored. Storing and reloading fp32 lanes is exact, so slicing
+// K does not change a bit of the canonical order.
 template <int MR, int NR>
 void TileBf16Blocked(const uint16_t* const* x, const uint16_t* const* w, const float* const* scales,
                      int64_t k0, int64_t k1, float* carry, bool first, bool last, float* y,
@@ -449,10 +456,7 @@ void TileF32Nr(int nr, const float* const* x, const float* const* w, const float
 template <typename T, typename Tile>
 void DispatchTile(const DotOperands& op, int64_t i0, int mr, Tile&& tile) {
   const T* xr[6];
-  for (int i = 0; i < mr; ++i) {
-    const int64_t r = op.x_rows ? op.x_rows[i0 + i] : i0 + i;
-    xr[i] = static_cast<const T*>(op.x) + r * op.x_stride;
-  }
+  OperandRows(op, i0, mr, xr);
   switch (mr) {
     case 1:
       return tile(std::integral_constant<int, 1>{}, xr);
@@ -505,13 +509,10 @@ inline void FusedFp8Blocks(const Fp8Decoder& decoder, const uint16_t* const* x, 
 }
 
 template <int MR>
-void FusedFp8Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const WeightMatrix& w = *op.w;
+void FusedFp8Rows(const WeightMatrix& w, const uint16_t* const* xr, int64_t n0, int64_t n1,
+                  float* y, int64_t ldy) {
   const Fp8Decoder decoder;
   const int64_t kp = PaddedK(w.cols);
-  const uint16_t* xr[MR];
-  for (int i = 0; i < MR; ++i)
-    xr[i] = static_cast<const uint16_t*>(op.x) + (op.x_rows ? op.x_rows[i] : i) * op.x_stride;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = static_cast<const uint8_t*>(w.data) + n * w.cols;
     const float* scales = Fp8RowScales(w, n);
@@ -539,19 +540,21 @@ constexpr int kFp8TileCols = 2;  // weight rows per tile
 
 void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
                  DotScratch* scratch) {
-  switch (op.m) {
-    case 0:
-      return;
-    case 1:
-      return FusedFp8Rows<1>(op, n0, n1, y, ldy);
-    case 2:
-      return FusedFp8Rows<2>(op, n0, n1, y, ldy);
-    case 3:
-      return FusedFp8Rows<3>(op, n0, n1, y, ldy);
-    default:
-      break;
-  }
   const WeightMatrix& w = *op.w;
+  if (op.m <= 3) {
+    const uint16_t* xr[3];
+    OperandRows(op, 0, op.m, xr);
+    switch (op.m) {
+      case 0:
+        return;
+      case 1:
+        return FusedFp8Rows<1>(w, xr, n0, n1, y, ldy);
+      case 2:
+        return FusedFp8Rows<2>(w, xr, n0, n1, y, ldy);
+      default:
+        return FusedFp8Rows<3>(w, xr, n0, n1, y, ldy);
+    }
+  }
   const int64_t kp = PaddedK(w.cols);
   const int64_t i_tiles = (op.m + kFp8TileRows - 1) / kFp8TileRows;
   constexpr int64_t carry_per_tile = int64_t{16} * kFp8TileRows * kFp8TileCols;
@@ -582,38 +585,24 @@ void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_
     }
     for (int64_t k0 = 0; k0 < kp; k0 += kFp8SliceK) {
       const int64_t k1 = std::min(k0 + kFp8SliceK, kp);
+      const bool first = k0 == 0, last = k1 == kp;
       for (int64_t it = 0; it < i_tiles; ++it) {
         const int64_t i0 = it * kFp8TileRows;
         const int mr = static_cast<int>(std::min<int64_t>(kFp8TileRows, op.m - i0));
-        const uint16_t* xr[kFp8TileRows];
-        for (int i = 0; i < mr; ++i)
-          xr[i] = static_cast<const uint16_t*>(op.x) +
-                  (op.x_rows ? op.x_rows[i0 + i] : i0 + i) * op.x_stride;
-        for (int j0 = 0; j0 < nr; j0 += kFp8TileCols) {
-          const int nt = std::min(kFp8TileCols, nr - j0);
-          float* c = carry + it * carry_per_row_tile + (j0 / kFp8TileCols) * carry_per_tile;
-          float* yt = y + i0 * ldy + (nb - n0) + j0;
-          const bool first = k0 == 0, last = k1 == kp;
-          switch (mr * 8 + nt) {
-#define MOE_FP8_CASE(M, N)                                                                   \
-  case M * 8 + N:                                                                            \
-    TileBf16Blocked<M, N>(xr, wr + j0, sr + j0, k0, k1, c, first, last, yt, ldy, &prefetch); \
-    break;
-            MOE_FP8_CASE(1, 1)
-            MOE_FP8_CASE(1, 2)
-            MOE_FP8_CASE(2, 1)
-            MOE_FP8_CASE(2, 2)
-            MOE_FP8_CASE(3, 1)
-            MOE_FP8_CASE(3, 2)
-            MOE_FP8_CASE(4, 1)
-            MOE_FP8_CASE(4, 2)
-            MOE_FP8_CASE(5, 1)
-            MOE_FP8_CASE(5, 2)
-            MOE_FP8_CASE(6, 1)
-            MOE_FP8_CASE(6, 2)
-#undef MOE_FP8_CASE
+        DispatchTile<uint16_t>(op, i0, mr, [&](auto tag, const uint16_t* const* xr) {
+          constexpr int kMr = decltype(tag)::value;
+          for (int j0 = 0; j0 < nr; j0 += kFp8TileCols) {
+            float* c = carry + it * carry_per_row_tile + (j0 / kFp8TileCols) * carry_per_tile;
+            float* yt = y + i0 * ldy + (nb - n0) + j0;
+            if (nr - j0 >= kFp8TileCols) {
+              TileBf16Blocked<kMr, kFp8TileCols>(xr, wr + j0, sr + j0, k0, k1, c, first, last, yt,
+                                                 ldy, &prefetch);
+            } else {
+              TileBf16Blocked<kMr, 1>(xr, wr + j0, sr + j0, k0, k1, c, first, last, yt, ldy,
+                                      &prefetch);
+            }
           }
-        }
+        });
       }
     }
   }
@@ -626,8 +615,7 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
   if (w.format == WeightFormat::kMXFP4 && op.precision == Precision::kBF16 && op.m <= 4 &&
       w.cols % 128 == 0) {
     const uint16_t* xr[4];
-    for (int64_t i = 0; i < op.m; ++i)
-      xr[i] = static_cast<const uint16_t*>(op.x) + (op.x_rows ? op.x_rows[i] : i) * op.x_stride;
+    OperandRows(op, 0, op.m, xr);
     switch (op.m) {
       case 1:
         return FusedMxfp4Rows<1>(op, xr, n0, n1, y, ldy);
