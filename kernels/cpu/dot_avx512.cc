@@ -541,19 +541,13 @@ constexpr int kFp8TileCols = 2;  // weight rows per tile
 void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
                  DotScratch* scratch) {
   const WeightMatrix& w = *op.w;
+  if (op.m == 0) return;
   if (op.m <= 3) {
-    const uint16_t* xr[3];
-    OperandRows(op, 0, op.m, xr);
-    switch (op.m) {
-      case 0:
-        return;
-      case 1:
-        return FusedFp8Rows<1>(w, xr, n0, n1, y, ldy);
-      case 2:
-        return FusedFp8Rows<2>(w, xr, n0, n1, y, ldy);
-      default:
-        return FusedFp8Rows<3>(w, xr, n0, n1, y, ldy);
-    }
+    return DispatchTile<uint16_t>(op, 0, static_cast<int>(op.m),
+                                  [&](auto tag, const uint16_t* const* xr) {
+                                    if constexpr (decltype(tag)::value <= 3)
+                                      FusedFp8Rows<decltype(tag)::value>(w, xr, n0, n1, y, ldy);
+                                  });
   }
   const int64_t kp = PaddedK(w.cols);
   const int64_t i_tiles = (op.m + kFp8TileRows - 1) / kFp8TileRows;
@@ -614,18 +608,11 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
   // Few operand rows and MXFP4: decoding dominates, so decode in registers (no scratch).
   if (w.format == WeightFormat::kMXFP4 && op.precision == Precision::kBF16 && op.m <= 4 &&
       w.cols % 128 == 0) {
-    const uint16_t* xr[4];
-    OperandRows(op, 0, op.m, xr);
-    switch (op.m) {
-      case 1:
-        return FusedMxfp4Rows<1>(op, xr, n0, n1, y, ldy);
-      case 2:
-        return FusedMxfp4Rows<2>(op, xr, n0, n1, y, ldy);
-      case 3:
-        return FusedMxfp4Rows<3>(op, xr, n0, n1, y, ldy);
-      default:
-        return FusedMxfp4Rows<4>(op, xr, n0, n1, y, ldy);
-    }
+    return DispatchTile<uint16_t>(op, 0, static_cast<int>(op.m),
+                                  [&](auto tag, const uint16_t* const* xr) {
+                                    if constexpr (decltype(tag)::value <= 4)
+                                      FusedMxfp4Rows<decltype(tag)::value>(op, xr, n0, n1, y, ldy);
+                                  });
   }
   const int64_t kp = PaddedK(w.cols);
   const bool bf16 = op.precision == Precision::kBF16;
