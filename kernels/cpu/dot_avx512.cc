@@ -81,14 +81,19 @@ class Mxfp4GroupDecoder {
     *lo = _mm512_mask_add_epi16(base_, nonzero, base_, lo_scale);
     *hi = _mm512_mask_add_epi16(base_, nonzero, base_, hi_scale);
   }
-  // Table indices of the four runs of a group's 64 packed bytes.
-  void Indices(const uint8_t* packed, __m512i idx[4]) const {
-    const __m512i words = _mm512_loadu_si512(packed);
-    // index = (nibble & 0xF) | block bits, in one ternary-logic op per run: (A & B) | C = 0xEA.
-    idx[0] = _mm512_ternarylogic_epi32(words, nibble_, block_bits_, 0xEA);
-    idx[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble_, block_bits_, 0xEA);
-    idx[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble_, block_bits_, 0xEA);
-    idx[3] = _mm512_or_si512(_mm512_srli_epi16(words, 12), block_bits_);
+  // Table index of run j (0..3) of a group's 64 packed bytes (`words`): nibble j of each word
+  // | block bits, one ternary-logic op ((A & B) | C = 0xEA) after the shift.
+  __m512i Index(__m512i words, int j) const {
+    switch (j) {
+      case 0:
+        return _mm512_ternarylogic_epi32(words, nibble_, block_bits_, 0xEA);
+      case 1:
+        return _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble_, block_bits_, 0xEA);
+      case 2:
+        return _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble_, block_bits_, 0xEA);
+      default:
+        return _mm512_or_si512(_mm512_srli_epi16(words, 12), block_bits_);
+    }
   }
   static __m512i Run(__m512i lo, __m512i idx, __m512i hi) {
     return _mm512_permutex2var_epi16(lo, idx, hi);
@@ -96,10 +101,10 @@ class Mxfp4GroupDecoder {
 
   // One group into `out` (128 bf16 values).
   void Decode(const uint8_t* packed, __m512i offsets, int g, uint16_t* out) const {
-    __m512i lo, hi, idx[4];
+    __m512i lo, hi;
     Tables(offsets, g, &lo, &hi);
-    Indices(packed, idx);
-    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + 32 * j, Run(lo, idx[j], hi));
+    const __m512i words = _mm512_loadu_si512(packed);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + 32 * j, Run(lo, Index(words, j), hi));
   }
 
  private:
@@ -252,9 +257,8 @@ void OperandRows(const DotOperands& op, int64_t i0, int64_t mr, const T** xr) {
     xr[i] = static_cast<const T*>(op.x) + (op.x_rows ? op.x_rows[i0 + i] : i0 + i) * op.x_stride;
 }
 
-// MR operand rows x NR weight rows, bf16 mode, no block scales. kStream: the weight rows are
-// read from memory once (not decoded scratch), so they are prefetched.
-template <int MR, int NR, bool kStream>
+// MR operand rows x NR weight rows, bf16 mode, no block scales.
+template <int MR, int NR>
 void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, float* y,
               int64_t ldy) {
   __m512 acc[MR][NR];
@@ -263,7 +267,6 @@ void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, fl
   for (int64_t k = 0; k < kp; k += 32) {
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) {
-      if constexpr (kStream) PrefetchStream(w[j] + k);
       wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
     }
     for (int i = 0; i < MR; ++i) {
@@ -365,6 +368,8 @@ void TileF32(const float* const* x, const float* const* w, const float* const* s
 // MXFP4 weights decoded in registers and consumed at once, for few operand rows (decode-bound
 // shapes): MR operand rows x NR weight rows, cols a multiple of 128. Same canonical order as
 // the decode-to-scratch path: one VDPBF16PS per 32-element run, runs in ascending order.
+// Run indices are formed just before their lookup, so that four weight rows (four
+// accumulator chains, which hide the VDPBF16PS latency) fit the 32 vector registers.
 template <int MR, int NR>
 void FusedMxfp4Tile(const uint16_t* const* x, const uint8_t* const* packed,
                     const uint8_t* const* scales, int64_t cols, float* y, int64_t ldy) {
@@ -379,19 +384,18 @@ void FusedMxfp4Tile(const uint16_t* const* x, const uint8_t* const* packed,
     for (int r = 0; r < NR; ++r) offsets[r] = decoder.Offsets(scales[r] + 4 * g0, count);
     for (int64_t g = 0; g < count; ++g) {
       const int64_t base = 128 * (g0 + g);
-      __m512i lo[NR], hi[NR], idx[NR][4];
+      __m512i lo[NR], hi[NR], words[NR];
       for (int r = 0; r < NR; ++r) {
-        // Weights stream from memory once: ask for them kPrefetchBytes ahead (the hardware
-        // prefetcher alone leaves this loop latency-bound).
         PrefetchStream(packed[r] + 64 * (g0 + g));
         decoder.Tables(offsets[r], static_cast<int>(g), &lo[r], &hi[r]);
-        decoder.Indices(packed[r] + 64 * (g0 + g), idx[r]);
+        words[r] = _mm512_loadu_si512(packed[r] + 64 * (g0 + g));
       }
       for (int j = 0; j < 4; ++j) {
         __m512bh xv[MR];
         for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x[i] + base + 32 * j);
         for (int r = 0; r < NR; ++r) {
-          const __m512bh w = (__m512bh)Mxfp4GroupDecoder::Run(lo[r], idx[r][j], hi[r]);
+          const __m512bh w =
+              (__m512bh)Mxfp4GroupDecoder::Run(lo[r], decoder.Index(words[r], j), hi[r]);
           for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv[i], w);
         }
       }
@@ -401,37 +405,54 @@ void FusedMxfp4Tile(const uint16_t* const* x, const uint8_t* const* packed,
     for (int r = 0; r < NR; ++r) y[i * ldy + r] = ReduceTree(acc[i][r]);
 }
 
+// Weight rows per fused MXFP4 tile: four for 1-2 operand rows (measured streamed at the
+// bandwidth probe, 1.1x faster than two); two for 3-4, where 4 x MR accumulators would spill.
+template <int MR>
+constexpr int kFusedMxfp4Rows = MR <= 2 ? 4 : 2;
+
 template <int MR>
 void FusedMxfp4Rows(const DotOperands& op, const uint16_t* const* x, int64_t n0, int64_t n1,
                     float* y, int64_t ldy) {
+  constexpr int kNr = kFusedMxfp4Rows<MR>;
   const WeightMatrix& w = *op.w;
   const auto* data = static_cast<const uint8_t*>(w.data);
   const auto* scales = static_cast<const uint8_t*>(w.scales);
-  for (int64_t n = n0; n < n1; n += 2) {
-    const int64_t second = std::min(n + 1, n1 - 1);
-    const uint8_t* p[2] = {data + n * (w.cols / 2), data + second * (w.cols / 2)};
-    const uint8_t* s[2] = {scales + n * (w.cols / 32), scales + second * (w.cols / 32)};
-    if (n + 1 < n1) {
-      FusedMxfp4Tile<MR, 2>(x, p, s, w.cols, y + (n - n0), ldy);
-    } else {
-      FusedMxfp4Tile<MR, 1>(x, p, s, w.cols, y + (n - n0), ldy);
+  for (int64_t n = n0; n < n1; n += kNr) {
+    const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
+    const uint8_t* p[kNr];
+    const uint8_t* s[kNr];
+    for (int r = 0; r < nr; ++r) {
+      p[r] = data + (n + r) * (w.cols / 2);
+      s[r] = scales + (n + r) * (w.cols / 32);
+    }
+    float* yt = y + (n - n0);
+    if (nr == kNr) {
+      FusedMxfp4Tile<MR, kNr>(x, p, s, w.cols, yt, ldy);
+    } else if (nr == 1) {
+      FusedMxfp4Tile<MR, 1>(x, p, s, w.cols, yt, ldy);
+    } else if constexpr (kNr == 4) {  // the 2- or 3-row tail of a 4-row tiling
+      if (nr == 2) {
+        FusedMxfp4Tile<MR, 2>(x, p, s, w.cols, yt, ldy);
+      } else {
+        FusedMxfp4Tile<MR, 3>(x, p, s, w.cols, yt, ldy);
+      }
     }
   }
 }
 
 // Dispatches a runtime nr to the template instance.
-template <int MR, bool kStream>
+template <int MR>
 void TileBf16Nr(int nr, const uint16_t* const* x, const uint16_t* const* w, int64_t kp, float* y,
                 int64_t ldy) {
   switch (nr) {
     case 1:
-      return TileBf16<MR, 1, kStream>(x, w, kp, y, ldy);
+      return TileBf16<MR, 1>(x, w, kp, y, ldy);
     case 2:
-      return TileBf16<MR, 2, kStream>(x, w, kp, y, ldy);
+      return TileBf16<MR, 2>(x, w, kp, y, ldy);
     case 3:
-      return TileBf16<MR, 3, kStream>(x, w, kp, y, ldy);
+      return TileBf16<MR, 3>(x, w, kp, y, ldy);
     default:
-      return TileBf16<MR, 4, kStream>(x, w, kp, y, ldy);
+      return TileBf16<MR, 4>(x, w, kp, y, ldy);
   }
 }
 
@@ -634,11 +655,11 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
 
   // bf16 weights against 1-2 operand rows are read straight from memory: one row at a time
   // keeps one sequential stream per thread, which streams ~1.2x faster here than 4 rows side
-  // by side (the accumulator chain is not the limit at this arithmetic intensity).
+  // by side (the accumulator chain is not the limit at this arithmetic intensity). Measured
+  // again with software prefetch (8 KB into L2): neither 1 nor 2 rows gained from it, and 2
+  // rows without it streamed 1.2x slower; the hardware prefetcher follows one stream best.
   const int64_t rows_per_tile =
       (bf16 && w.format == WeightFormat::kBF16 && op.m <= 2) ? 1 : kMaxRowsPerTile;
-  // bf16 rows of a padded width are read in place (WeightRowBf16), i.e. streamed.
-  const bool streamed = w.format == WeightFormat::kBF16 && w.cols % kPadK == 0;
   for (int64_t nb = n0; nb < n1; nb += rows_per_tile) {
     const int nr = static_cast<int>(std::min<int64_t>(rows_per_tile, n1 - nb));
     const uint16_t* wrow16[kMaxRowsPerTile];
@@ -658,11 +679,7 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
       float* yt = y + i0 * ldy + (nb - n0);
       if (bf16) {
         DispatchTile<uint16_t>(op, i0, mr, [&](auto tag, const uint16_t* const* xr) {
-          if (streamed) {
-            TileBf16Nr<decltype(tag)::value, true>(nr, xr, wrow16, kp, yt, ldy);
-          } else {
-            TileBf16Nr<decltype(tag)::value, false>(nr, xr, wrow16, kp, yt, ldy);
-          }
+          TileBf16Nr<decltype(tag)::value>(nr, xr, wrow16, kp, yt, ldy);
         });
       } else {
         DispatchTile<float>(op, i0, mr, [&](auto tag, const float* const* xr) {
