@@ -257,27 +257,6 @@ void OperandRows(const DotOperands& op, int64_t i0, int64_t mr, const T** xr) {
     xr[i] = static_cast<const T*>(op.x) + (op.x_rows ? op.x_rows[i0 + i] : i0 + i) * op.x_stride;
 }
 
-// MR operand rows x NR weight rows, bf16 mode, no block scales.
-template <int MR, int NR>
-void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, float* y,
-              int64_t ldy) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 32) {
-    __m512bh wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
-    }
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
-}
-
 // Software prefetch spread over the blocks of many tile calls: `per_block` cache lines of
 // [next, end) each time a tile starts a 128-element block.
 struct PrefetchCursor {
@@ -289,6 +268,29 @@ struct PrefetchCursor {
       _mm_prefetch(next, _MM_HINT_T1);
   }
 };
+
+// MR operand rows x NR weight rows, bf16 mode, no block scales; `prefetch` steps once per
+// 128-element block.
+template <int MR, int NR>
+void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, float* y, int64_t ldy,
+              PrefetchCursor* prefetch) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < kp; k0 += kPadK) {
+    prefetch->Step();
+    for (int64_t k = k0; k < k0 + kPadK; k += 32) {
+      __m512bh wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
+}
 
 // bf16 mode with FP8 block-128 partials: lanes = fma(partial, scale_inv, lanes), over the K
 // slice [k0, k1) (multiples of 128). The lane totals carry over between slices in `carry`
@@ -443,16 +445,16 @@ void FusedMxfp4Rows(const DotOperands& op, const uint16_t* const* x, int64_t n0,
 // Dispatches a runtime nr to the template instance.
 template <int MR>
 void TileBf16Nr(int nr, const uint16_t* const* x, const uint16_t* const* w, int64_t kp, float* y,
-                int64_t ldy) {
+                int64_t ldy, PrefetchCursor* prefetch) {
   switch (nr) {
     case 1:
-      return TileBf16<MR, 1>(x, w, kp, y, ldy);
+      return TileBf16<MR, 1>(x, w, kp, y, ldy, prefetch);
     case 2:
-      return TileBf16<MR, 2>(x, w, kp, y, ldy);
+      return TileBf16<MR, 2>(x, w, kp, y, ldy, prefetch);
     case 3:
-      return TileBf16<MR, 3>(x, w, kp, y, ldy);
+      return TileBf16<MR, 3>(x, w, kp, y, ldy, prefetch);
     default:
-      return TileBf16<MR, 4>(x, w, kp, y, ldy);
+      return TileBf16<MR, 4>(x, w, kp, y, ldy, prefetch);
   }
 }
 
@@ -674,12 +676,23 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
       scale_rows[j] = fp8 ? Fp8RowScales(w, nb + j) : nullptr;
     }
     const float* const* scales = fp8 ? scale_rows : nullptr;
+    // The next group's stored bytes are requested into L2 while this group's tiles compute:
+    // otherwise the first tile waits on memory and the others on arithmetic, never both.
+    PrefetchCursor prefetch;
+    const int64_t next_rows = std::min<int64_t>(rows_per_tile, n1 - nb - nr);
+    if (next_rows > 0 && op.m > mr_max) {
+      const int64_t row_bytes = w.DataBytes() / w.rows;
+      prefetch.next = static_cast<const char*>(w.data) + (nb + nr) * row_bytes;
+      prefetch.end = prefetch.next + next_rows * row_bytes;
+      const int64_t blocks = (kp / kPadK) * ((op.m + mr_max - 1) / mr_max);
+      prefetch.per_block = ((prefetch.end - prefetch.next) / 64 + blocks) / blocks;
+    }
     for (int64_t i0 = 0; i0 < op.m; i0 += mr_max) {
       const int mr = static_cast<int>(std::min<int64_t>(mr_max, op.m - i0));
       float* yt = y + i0 * ldy + (nb - n0);
       if (bf16) {
         DispatchTile<uint16_t>(op, i0, mr, [&](auto tag, const uint16_t* const* xr) {
-          TileBf16Nr<decltype(tag)::value>(nr, xr, wrow16, kp, yt, ldy);
+          TileBf16Nr<decltype(tag)::value>(nr, xr, wrow16, kp, yt, ldy, &prefetch);
         });
       } else {
         DispatchTile<float>(op, i0, mr, [&](auto tag, const float* const* xr) {
