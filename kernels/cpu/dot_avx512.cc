@@ -267,6 +267,16 @@ struct PrefetchCursor {
     for (int64_t i = 0; i < per_block && next < end; ++i, next += 64)
       _mm_prefetch(next, _MM_HINT_T1);
   }
+  // The stored bytes of weight rows [row, row + rows), spread over `blocks` steps.
+  static PrefetchCursor Rows(const WeightMatrix& w, int64_t row, int64_t rows, int64_t blocks) {
+    PrefetchCursor c;
+    if (rows <= 0 || blocks <= 0) return c;
+    const int64_t row_bytes = w.DataBytes() / w.rows;
+    c.next = static_cast<const char*>(w.data) + row * row_bytes;
+    c.end = c.next + rows * row_bytes;
+    c.per_block = (rows * row_bytes / 64 + blocks) / blocks;
+    return c;
+  }
 };
 
 // MR operand rows x NR weight rows, bf16 mode, no block scales; `prefetch` steps once per
@@ -598,14 +608,9 @@ void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_
     }
     // The next group's stored bytes (contiguous rows) are requested into L2 while this group
     // computes, so that the memory stream overlaps the arithmetic instead of alternating.
-    PrefetchCursor prefetch;
-    const int64_t next_rows = std::min<int64_t>(kFp8GroupRows, n1 - nb - nr);
-    if (next_rows > 0) {
-      prefetch.next = static_cast<const char*>(w.data) + (nb + nr) * w.cols;
-      prefetch.end = prefetch.next + next_rows * w.cols;
-      const int64_t blocks = (kp / kFp8Block) * i_tiles * ((nr + kFp8TileCols - 1) / kFp8TileCols);
-      prefetch.per_block = ((prefetch.end - prefetch.next) / 64 + blocks) / blocks;
-    }
+    PrefetchCursor prefetch =
+        PrefetchCursor::Rows(w, nb + nr, std::min<int64_t>(kFp8GroupRows, n1 - nb - nr),
+                             (kp / kFp8Block) * i_tiles * ((nr + kFp8TileCols - 1) / kFp8TileCols));
     for (int64_t k0 = 0; k0 < kp; k0 += kFp8SliceK) {
       const int64_t k1 = std::min(k0 + kFp8SliceK, kp);
       const bool first = k0 == 0, last = k1 == kp;
@@ -679,14 +684,9 @@ void Avx512DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int6
     // The next group's stored bytes are requested into L2 while this group's tiles compute:
     // otherwise the first tile waits on memory and the others on arithmetic, never both.
     PrefetchCursor prefetch;
-    const int64_t next_rows = std::min<int64_t>(rows_per_tile, n1 - nb - nr);
-    if (next_rows > 0 && op.m > mr_max) {
-      const int64_t row_bytes = w.DataBytes() / w.rows;
-      prefetch.next = static_cast<const char*>(w.data) + (nb + nr) * row_bytes;
-      prefetch.end = prefetch.next + next_rows * row_bytes;
-      const int64_t blocks = (kp / kPadK) * ((op.m + mr_max - 1) / mr_max);
-      prefetch.per_block = ((prefetch.end - prefetch.next) / 64 + blocks) / blocks;
-    }
+    if (op.m > mr_max)  // several tiles per group
+      prefetch = PrefetchCursor::Rows(w, nb + nr, std::min<int64_t>(rows_per_tile, n1 - nb - nr),
+                                      (kp / kPadK) * ((op.m + mr_max - 1) / mr_max));
     for (int64_t i0 = 0; i0 < op.m; i0 += mr_max) {
       const int mr = static_cast<int>(std::min<int64_t>(mr_max, op.m - i0));
       float* yt = y + i0 * ldy + (nb - n0);
