@@ -120,6 +120,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
     while (static_cast<int>(runs.size()) < opt.repeat &&
            (runs.size() < 3 || spent < opt.max_seconds)) {
       LayerTimings timings;
+      bench::FlushCaches();  // no weight may still be cached from the previous run
       const auto t0 = std::chrono::steady_clock::now();
       RETURN_IF_ERROR(local->Forward(x.data(), T, precision, y.data(), nullptr, &timings));
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -39,6 +39,13 @@ double MeasureReadBandwidth(int threads, size_t bytes, int repeats) {
   return *std::max_element(gbps.begin(), gbps.end()) + 0 * static_cast<double>(sums[0] & 1);
 }
 
+void FlushCaches() {
+  static std::vector<uint8_t> buffer(size_t{256} << 20);  // >> any L3 we run on
+  static uint8_t pass = 0;
+  ++pass;
+  for (size_t i = 0; i < buffer.size(); i += 64) buffer[i] = static_cast<uint8_t>(buffer[i] + pass);
+}
+
 double MeasureGemmGflops(bool bf16, std::string* source) {
 #if defined(MOE_HAVE_DNNL)
   using dnnl::memory;

@@ -20,6 +20,11 @@ Roofline MeasureRoofline(int threads, double buffer_gb = 2.0);
 // roofline is what the machine can do; on a shared host the slower passes measure neighbours).
 double MeasureReadBandwidth(int threads, size_t bytes, int repeats);
 
+// Evicts the caches: reads and writes a buffer several times the last-level cache. Benchmarks
+// call it before each timed run, as in serving, where a layer's weights never stay cached
+// between its steps (every other layer's weights stream through in between).
+void FlushCaches();
+
 // Best of a few large square GEMMs; 0 when the library is not available.
 double MeasureGemmGflops(bool bf16, std::string* source);
 
