@@ -1,6 +1,6 @@
 set terminal pngcairo size 900,560 font ',11'
 set output 'docs/bench/k2-full-cpu.png'
-set title 'Kimi K2 layer, 384 FP8 experts: time vs roofline (cpu(avx512-bf16, 2 threads))'
+set title 'kimi_k2 layer 1: time vs roofline (cpu(avx512-bf16, 2 threads))'
 set logscale xy
 set xlabel 'tokens per step'
 set ylabel 'ms'

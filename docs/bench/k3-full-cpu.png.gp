@@ -1,6 +1,6 @@
 set terminal pngcairo size 900,560 font ',11'
 set output 'docs/bench/k3-full-cpu.png'
-set title 'Kimi K3 layer, 896 MXFP4 experts: time vs roofline (cpu(avx512-bf16, 2 threads))'
+set title 'kimi_k3 layer 1: time vs roofline (cpu(avx512-bf16, 2 threads))'
 set logscale xy
 set xlabel 'tokens per step'
 set ylabel 'ms'
