@@ -519,7 +519,15 @@ void DispatchTile(const DotOperands& op, int64_t i0, int mr, Tile&& tile) {
 // latency while a thread's rows stream as one sequential read, the pattern the hardware
 // prefetcher follows best (measured: side-by-side rows streamed 1.5x slower at 2-3 operand
 // rows). Weights are also prefetched kPrefetchBytes ahead, past a row's end into the next row.
-constexpr int kFusedFp8Blocks = 4;
+// Every weight row re-reads all MR operand rows, so they must fit L1 together
+// (kFusedFp8OperandBytes). Measured against the tiles below: at K = 2048, 4-6 rows (16-24 KB)
+// ran 1.3-1.4x faster fused; at K = 7168, 3 rows (42 KB) 1.2x slower. (Walking K in L1-sized
+// slices over groups of rows side by side did not help: 1.05-1.35x slower than either.)
+constexpr int kFusedFp8MaxRows = 6;
+constexpr int64_t kFusedFp8OperandBytes = 32 << 10;
+// Blocks in flight: 4 for 1-3 operand rows; 1 for 4-6 (measured fastest: more partials spill).
+template <int MR>
+constexpr int kFusedFp8Blocks = MR <= 3 ? 4 : 1;
 
 // NB blocks from b0 into the lanes acc (compile-time loops: the partials stay in registers).
 template <int MR, int NB>
@@ -558,15 +566,17 @@ void FusedFp8Rows(const WeightMatrix& w, const uint16_t* const* xr, int64_t n0, 
     __m512 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     int64_t b0 = 0;
-    for (; b0 + kFusedFp8Blocks * kFp8Block <= kp; b0 += kFusedFp8Blocks * kFp8Block)
-      FusedFp8Blocks<MR, kFusedFp8Blocks>(decoder, xr, row, scales, w.cols, b0, acc);
+    constexpr int kNb = kFusedFp8Blocks<MR>;
+    for (; b0 + kNb * kFp8Block <= kp; b0 += kNb * kFp8Block)
+      FusedFp8Blocks<MR, kNb>(decoder, xr, row, scales, w.cols, b0, acc);
     for (; b0 < kp; b0 += kFp8Block)
       FusedFp8Blocks<MR, 1>(decoder, xr, row, scales, w.cols, b0, acc);
     for (int i = 0; i < MR; ++i) y[i * ldy + (n - n0)] = ReduceTree(acc[i]);
   }
 }
 
-// FP8 weights in bf16 mode. Up to 3 operand rows: FusedFp8Rows. More: weight rows are decoded
+// FP8 weights in bf16 mode. Up to kFusedFp8MaxRows operand rows that fit L1 together:
+// FusedFp8Rows. Otherwise weight rows are decoded
 // to exact bf16 kFp8GroupRows at a time (each row once per call, however many operand rows),
 // then K is walked in slices of kFp8SliceK so that an operand tile's slice and the group's slice
 // stay in L1 while every tile of the group reuses them (unsliced, the operand rows streamed from
@@ -581,14 +591,14 @@ void Fp8Bf16Rows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_
                  DotScratch* scratch) {
   const WeightMatrix& w = *op.w;
   if (op.m == 0) return;
-  if (op.m <= 3) {
+  const int64_t kp = PaddedK(w.cols);
+  if (op.m <= kFusedFp8MaxRows &&
+      op.m * kp * static_cast<int64_t>(sizeof(uint16_t)) <= kFusedFp8OperandBytes) {
     return DispatchTile<uint16_t>(op, 0, static_cast<int>(op.m),
                                   [&](auto tag, const uint16_t* const* xr) {
-                                    if constexpr (decltype(tag)::value <= 3)
-                                      FusedFp8Rows<decltype(tag)::value>(w, xr, n0, n1, y, ldy);
+                                    FusedFp8Rows<decltype(tag)::value>(w, xr, n0, n1, y, ldy);
                                   });
   }
-  const int64_t kp = PaddedK(w.cols);
   const int64_t i_tiles = (op.m + kFp8TileRows - 1) / kFp8TileRows;
   constexpr int64_t carry_per_tile = int64_t{16} * kFp8TileRows * kFp8TileCols;
   constexpr int64_t carry_per_row_tile = carry_per_tile * (kFp8GroupRows / kFp8TileCols);
