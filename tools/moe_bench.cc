@@ -41,6 +41,7 @@ struct Row {
   double median_ms, min_ms;
   int runs;
   int experts_touched;
+  double read_gbps;  // the best of the probes just before and just after this row's runs
   double weight_bytes, flops, bw_ms, flop_ms, roofline_ms;
   double route_ms, experts_ms, shared_ms, finish_ms;  // stage split of the median run
 };
@@ -106,6 +107,10 @@ absl::Status RunLayer(const LayerOptions& opt) {
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
 
+  // The host's bandwidth changes from minute to minute, so each row is compared with the
+  // bandwidth measured right around its own runs.
+  bench::ReadProbe read_probe(backend.num_threads(),
+                              static_cast<size_t>(opt.buffer_gb * (1 << 30)));
   std::vector<Row> rows;
   std::mt19937 rng(1234);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -115,6 +120,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
     Routing routing;
     RETURN_IF_ERROR(
         local->Forward(x.data(), T, precision, y.data(), &routing));  // warm-up (and page-in)
+    const double gbps_before = read_probe.Measure(3);
     std::vector<std::pair<double, LayerTimings>> runs;
     double spent = 0;
     while (static_cast<int>(runs.size()) < opt.repeat &&
@@ -133,6 +139,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
     for (const auto& run : runs) ms.push_back(run.first);
     const LayerTimings& median = runs[runs.size() / 2].second;
     Row r;
+    r.read_gbps = std::max(gbps_before, read_probe.Measure(3));
     r.tokens = T;
     r.median_ms = ms[ms.size() / 2];
     r.min_ms = ms.front();
@@ -146,7 +153,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
     r.weight_bytes = dense.bytes + r.experts_touched * expert_bytes;
     r.flops = static_cast<double>(T) * dense.flops_per_token +
               static_cast<double>(routing.ids.size()) * expert_flops_per_assignment;
-    r.bw_ms = 1e3 * r.weight_bytes / (roof.read_gbps * 1e9);
+    r.bw_ms = 1e3 * r.weight_bytes / (r.read_gbps * 1e9);
     r.flop_ms = peak > 0 ? 1e3 * r.flops / (peak * 1e9) : 0;
     r.roofline_ms = std::max(r.bw_ms, r.flop_ms);
     rows.push_back(r);
@@ -160,18 +167,21 @@ absl::Status RunLayer(const LayerOptions& opt) {
               name.c_str(), config.routing.num_experts, config.routing.top_k,
               WeightFormatName(config.expert_format), opt.dtype.c_str(), backend.name().c_str(),
               load_s);
-  std::printf("machine: streaming read %.1f GB/s; GEMM %.0f GFLOP/s bf16, %.0f GFLOP/s fp32 (%s)\n",
-              roof.read_gbps, roof.bf16_gflops, roof.fp32_gflops, roof.gemm_source.c_str());
-  std::printf("%7s %10s %10s %8s %10s %9s %10s %10s %11s %9s   %s\n", "tokens", "median ms",
-              "tokens/s", "experts", "weights GB", "GFLOP", "bw ms", "flop ms", "roofline ms",
-              "x roof", "route / experts / shared / finish ms");
+  std::printf(
+      "machine: streaming read %.1f GB/s at start (each row: the best probe around its runs); "
+      "GEMM %.0f GFLOP/s bf16, %.0f GFLOP/s fp32 (%s)\n",
+      roof.read_gbps, roof.bf16_gflops, roof.fp32_gflops, roof.gemm_source.c_str());
+  std::printf("%7s %10s %10s %8s %10s %9s %9s %10s %10s %11s %9s   %s\n", "tokens", "median ms",
+              "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s", "bw ms", "flop ms",
+              "roofline ms", "x roof", "route / experts / shared / finish ms");
   for (const Row& r : rows)
     std::printf(
-        "%7lld %10.2f %10.0f %8d %10.3f %9.2f %10.2f %10.2f %11.2f %9.2f   %.1f / %.1f / %.1f / "
-        "%.1f\n",
+        "%7lld %10.2f %10.0f %8d %10.3f %9.2f %9.1f %10.2f %10.2f %11.2f %9.2f   %.1f / %.1f / "
+        "%.1f / %.1f\n",
         static_cast<long long>(r.tokens), r.median_ms, r.tokens / (r.median_ms / 1e3),
-        r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.bw_ms, r.flop_ms, r.roofline_ms,
-        r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms);
+        r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.read_gbps, r.bw_ms, r.flop_ms,
+        r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms,
+        r.finish_ms);
 
   if (!opt.json.empty()) {
     std::ofstream out(opt.json);
@@ -187,14 +197,14 @@ absl::Status RunLayer(const LayerOptions& opt) {
       const Row& r = rows[i];
       out << absl::StrFormat(
           "%s{\"tokens\": %d, \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": %d, "
-          "\"experts_touched\": %d, "
+          "\"experts_touched\": %d, \"read_gbps\": %.3f, "
           "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
           "\"roofline_ms\": %.4f, "
           "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
           "\"finish_ms\": %.3f}",
-          i ? ", " : "", r.tokens, r.median_ms, r.min_ms, r.runs, r.experts_touched, r.weight_bytes,
-          r.flops, r.bw_ms, r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms,
-          r.experts_ms, r.shared_ms, r.finish_ms);
+          i ? ", " : "", r.tokens, r.median_ms, r.min_ms, r.runs, r.experts_touched, r.read_gbps,
+          r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms,
+          r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms);
     }
     out << "]}\n";
   }

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "core/thread_pool.h"
@@ -17,26 +18,36 @@ namespace moe::bench {
 // Defined in read_kernel_avx512.cc (512-bit loads) with a portable fallback.
 uint64_t StreamRead(const uint8_t* data, size_t bytes);
 
-double MeasureReadBandwidth(int threads, size_t bytes, int repeats) {
-  auto* buffer = static_cast<uint8_t*>(std::aligned_alloc(4096, bytes));
-  ThreadPool pool(threads);
+ReadProbe::ReadProbe(int threads, size_t bytes)
+    : threads_(threads),
+      bytes_(bytes / 4096 * 4096),
+      buffer_(static_cast<uint8_t*>(std::aligned_alloc(4096, bytes_))),
+      pool_(std::make_unique<ThreadPool>(threads)) {
   // Touch every page first (first-touch by the threads that will read them).
-  pool.ParallelFor(static_cast<int64_t>(bytes / 4096), [&](int64_t b, int64_t e, int) {
+  pool_->ParallelFor(static_cast<int64_t>(bytes_ / 4096), [&](int64_t b, int64_t e, int) {
     for (int64_t p = b; p < e; ++p)
-      std::memset(buffer + p * 4096, static_cast<int>(p & 0xff), 4096);
+      std::memset(buffer_ + p * 4096, static_cast<int>(p & 0xff), 4096);
   });
+}
+
+ReadProbe::~ReadProbe() { std::free(buffer_); }
+
+double ReadProbe::Measure(int repeats) {
   std::vector<double> gbps;
-  std::vector<uint64_t> sums(threads);
+  std::vector<uint64_t> sums(threads_);
   for (int r = 0; r < repeats; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    pool.ParallelFor(static_cast<int64_t>(bytes / 4096), [&](int64_t b, int64_t e, int t) {
-      sums[t] += StreamRead(buffer + b * 4096, (e - b) * 4096);
+    pool_->ParallelFor(static_cast<int64_t>(bytes_ / 4096), [&](int64_t b, int64_t e, int t) {
+      sums[t] += StreamRead(buffer_ + b * 4096, (e - b) * 4096);
     });
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    gbps.push_back(static_cast<double>(bytes) / s / 1e9);
+    gbps.push_back(static_cast<double>(bytes_) / s / 1e9);
   }
-  std::free(buffer);
   return *std::max_element(gbps.begin(), gbps.end()) + 0 * static_cast<double>(sums[0] & 1);
+}
+
+double MeasureReadBandwidth(int threads, size_t bytes, int repeats) {
+  return ReadProbe(threads, bytes).Measure(repeats);
 }
 
 void FlushCaches() {

@@ -2,7 +2,14 @@
 // and the best GEMM throughput available (oneDNN when built with it, else our own kernels).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <string>
+
+namespace moe {
+class ThreadPool;
+}  // namespace moe
 
 namespace moe::bench {
 
@@ -15,6 +22,24 @@ struct Roofline {
 
 // `threads`: worker threads for the bandwidth run (the GEMM library uses its own).
 Roofline MeasureRoofline(int threads, double buffer_gb = 2.0);
+
+// A streaming-read probe that keeps its buffer, so that a benchmark can measure the bandwidth
+// again next to each of its runs (on a shared host it changes from minute to minute).
+class ReadProbe {
+ public:
+  ReadProbe(int threads, size_t bytes);
+  ~ReadProbe();
+  ReadProbe(const ReadProbe&) = delete;
+  ReadProbe& operator=(const ReadProbe&) = delete;
+  // The best GB/s of `repeats` passes over the buffer.
+  double Measure(int repeats);
+
+ private:
+  int threads_;
+  size_t bytes_;
+  uint8_t* buffer_;
+  std::unique_ptr<ThreadPool> pool_;
+};
 
 // Streaming read of `bytes` bytes by `threads` threads, the best GB/s of `repeats` passes (a
 // roofline is what the machine can do; on a shared host the slower passes measure neighbours).

@@ -1,0 +1,57 @@
+#!/usr/bin/python3
+"""moe-bench layer end to end on a small generated checkpoint (k3-mini, one layer).
+
+Checks what the benchmark promises, not speed: every requested token count has a row, the
+roofline is max(bytes / read bandwidth, FLOPs / GEMM peak) with the row's own bandwidth, the
+weights read grow with the experts touched, and the JSON agrees with the table. Speed targets
+live in the committed runs (docs/bench), never in a test.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+BIN = os.environ["MOE_BIN_DIR"]
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ckpt")
+        subprocess.run([f"{BIN}/moe-ckpt", "--preset", "k3-mini", "--layers", "1", "--out", ckpt],
+                       check=True, capture_output=True)
+        out_json = os.path.join(tmp, "bench.json")
+        run = subprocess.run(
+            [f"{BIN}/moe-bench", "layer", "--checkpoint", ckpt, "--tokens", "1,3,257",
+             "--repeat", "3", "--threads", "2", "--buffer-gb", "0.25", "--json", out_json],
+            check=True, capture_output=True, text=True, timeout=600)
+        table = run.stdout
+        with open(out_json) as f:
+            res = json.load(f)
+    rows = res["rows"]
+    assert [r["tokens"] for r in rows] == [1, 3, 257], rows
+    assert res["read_gbps"] > 0 and res["bf16_gflops"] > 0, res
+    prev = None
+    for r in rows:
+        assert r["runs"] >= 3 and 0 < r["min_ms"] <= r["median_ms"], r
+        assert r["read_gbps"] > 0, r
+        assert 1 <= r["experts_touched"] <= res["experts"], r
+        # The JSON rounds times to 1e-4 ms: compare within that (relative 2e-3 at the smallest).
+        bw_ms = 1e3 * r["weight_bytes"] / (r["read_gbps"] * 1e9)
+        assert abs(bw_ms - r["bw_ms"]) <= 2e-3 * bw_ms + 1e-4, (bw_ms, r)
+        assert abs(r["roofline_ms"] - max(r["bw_ms"], r["flop_ms"])) <= 1e-4, r
+        x = r["median_ms"] / r["roofline_ms"]
+        assert abs(r["x_roofline"] - x) <= 5e-3 * x, r
+        if prev is not None:  # more tokens touch at least as many experts and FLOPs
+            assert r["experts_touched"] >= prev["experts_touched"], (prev, r)
+            assert r["weight_bytes"] >= prev["weight_bytes"] and r["flops"] > prev["flops"]
+        prev = r
+        # The printed table has the same row.
+        line = next(l for l in table.splitlines() if l.split() and l.split()[0] == str(r["tokens"]))
+        assert abs(float(line.split()[1]) - r["median_ms"]) < 0.01, (line, r)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
