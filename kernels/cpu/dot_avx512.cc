@@ -279,6 +279,24 @@ struct PrefetchCursor {
   }
 };
 
+static_assert(kFp8Block == kPadK, "an FP8 scale block is one padding block");
+
+// One 128-element block [k0, k0 + 128) of MR operand rows x NR weight rows into acc: four
+// VDPBF16PS steps per accumulator (compile-time loops: the accumulators stay in registers).
+template <int MR, int NR>
+__attribute__((always_inline)) inline void AccumulateBf16Block(const uint16_t* const* x,
+                                                               const uint16_t* const* w, int64_t k0,
+                                                               __m512 (&acc)[MR][NR]) {
+  for (int64_t k = k0; k < k0 + kPadK; k += 32) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+}
+
 // MR operand rows x NR weight rows, bf16 mode, no block scales; `prefetch` steps once per
 // 128-element block.
 template <int MR, int NR>
@@ -289,14 +307,7 @@ void TileBf16(const uint16_t* const* x, const uint16_t* const* w, int64_t kp, fl
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < kp; k0 += kPadK) {
     prefetch->Step();
-    for (int64_t k = k0; k < k0 + kPadK; k += 32) {
-      __m512bh wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-      }
-    }
+    AccumulateBf16Block<MR, NR>(x, w, k0, acc);
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = ReduceTree(acc[i][j]);
@@ -320,14 +331,7 @@ void TileBf16Blocked(const uint16_t* const* x, const uint16_t* const* w, const f
     __m512 part[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) part[i][j] = _mm512_setzero_ps();
-    for (int64_t k = b0; k < b0 + kFp8Block; k += 32) {
-      __m512bh wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
-        for (int j = 0; j < NR; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], xv, wv[j]);
-      }
-    }
+    AccumulateBf16Block<MR, NR>(x, w, b0, part);
     for (int j = 0; j < NR; ++j) {
       const __m512 s = _mm512_set1_ps(scales[j][b0 / kFp8Block]);
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
