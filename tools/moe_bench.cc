@@ -111,6 +111,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
   // bandwidth measured right around its own runs.
   bench::ReadProbe read_probe(backend.num_threads(),
                               static_cast<size_t>(opt.buffer_gb * (1 << 30)));
+  double gbps_before = read_probe.Measure(3);
   std::vector<Row> rows;
   std::mt19937 rng(1234);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -120,7 +121,6 @@ absl::Status RunLayer(const LayerOptions& opt) {
     Routing routing;
     RETURN_IF_ERROR(
         local->Forward(x.data(), T, precision, y.data(), &routing));  // warm-up (and page-in)
-    const double gbps_before = read_probe.Measure(3);
     std::vector<std::pair<double, LayerTimings>> runs;
     double spent = 0;
     while (static_cast<int>(runs.size()) < opt.repeat &&
@@ -139,7 +139,9 @@ absl::Status RunLayer(const LayerOptions& opt) {
     for (const auto& run : runs) ms.push_back(run.first);
     const LayerTimings& median = runs[runs.size() / 2].second;
     Row r;
-    r.read_gbps = std::max(gbps_before, read_probe.Measure(3));
+    const double gbps_after = read_probe.Measure(3);  // also the next row's "before"
+    r.read_gbps = std::max(gbps_before, gbps_after);
+    gbps_before = gbps_after;
     r.tokens = T;
     r.median_ms = ms[ms.size() / 2];
     r.min_ms = ms.front();
