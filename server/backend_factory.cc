@@ -1,6 +1,7 @@
 #include "server/backend_factory.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "transport/cuda_plugin.h"
 
 namespace moe {
@@ -15,7 +16,10 @@ bool TransportBuilt(const std::string& transport) {
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, int device,
                                                        const CpuBackendOptions& cpu) {
-  if (kind == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(cpu));
+  if (kind == "cpu") {
+    ASSIGN_OR_RETURN(std::unique_ptr<CpuBackend> backend, CpuBackend::Create(cpu));
+    return std::unique_ptr<Backend>(std::move(backend));
+  }
   if (kind == "cuda") {
     auto plugin = LoadCudaPlugin();
     if (!plugin.ok()) return plugin.status();

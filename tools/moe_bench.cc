@@ -85,7 +85,9 @@ absl::Status RunLayer(const LayerOptions& opt) {
     token_counts.push_back(v);
   }
 
-  CpuBackend backend(CpuBackendOptions{opt.threads, opt.kernels});
+  ASSIGN_OR_RETURN(std::unique_ptr<CpuBackend> owned_backend,
+                   CpuBackend::Create(CpuBackendOptions{opt.threads, opt.kernels}));
+  CpuBackend& backend = *owned_backend;
   std::fprintf(stderr, "moe-bench: measuring the roofline (%.1f GB read buffer, GEMM)...\n",
                opt.buffer_gb);
   const bench::Roofline roof = bench::MeasureRoofline(backend.num_threads(), opt.buffer_gb);
@@ -238,7 +240,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
 // Single-kernel throughput: y = x W^T for one weight matrix in each format, weights resident
 // in cache (compute bound) or streamed from memory (a set of matrices much larger than L3).
 absl::Status RunKernels(int64_t rows, int64_t cols, const std::string& m_list, int threads,
-                        bool stream) {
+                        bool stream, const std::string& kernels) {
   std::vector<int64_t> ms;
   for (absl::string_view t : absl::StrSplit(m_list, ',', absl::SkipEmpty())) {
     int64_t v;
@@ -246,7 +248,9 @@ absl::Status RunKernels(int64_t rows, int64_t cols, const std::string& m_list, i
       return absl::InvalidArgumentError(absl::StrCat("bad --m ", t));
     ms.push_back(v);
   }
-  CpuBackend backend(CpuBackendOptions{threads, ""});
+  ASSIGN_OR_RETURN(std::unique_ptr<CpuBackend> owned_backend,
+                   CpuBackend::Create(CpuBackendOptions{threads, kernels}));
+  CpuBackend& backend = *owned_backend;
   std::mt19937 rng(7);
   std::printf("kernel throughput, %s, W [%lld, %lld], weights %s\n", backend.name().c_str(),
               static_cast<long long>(rows), static_cast<long long>(cols),
@@ -329,14 +333,17 @@ int main(int argc, char** argv) {
     std::string m = "1,2,4,8,16,64";
     int threads = 0;
     bool stream = false;
-    moe::Flags flags("usage: moe-bench kernels [--rows R] [--cols K] [--m 1,4,16] [--stream]");
+    std::string kernels;
+    moe::Flags flags(
+        "usage: moe-bench kernels [--rows R] [--cols K] [--m 1,4,16] [--stream] [--kernels T]");
     flags.Int("rows", &rows, "weight rows (output features)");
     flags.Int("cols", &cols, "weight columns (input features)");
     flags.String("m", &m, "operand rows (tokens), comma separated");
     flags.Int("threads", &threads, "threads (0 = all)");
     flags.Bool("stream", &stream, "stream weights from memory (1 GB of matrices) instead of cache");
+    flags.String("kernels", &kernels, "CPU kernel tier (default: MOE_CPU_KERNELS, else the best)");
     flags.ParseOrExit(argc, argv, 2);
-    if (absl::Status s = moe::RunKernels(rows, cols, m, threads, stream); !s.ok()) {
+    if (absl::Status s = moe::RunKernels(rows, cols, m, threads, stream, kernels); !s.ok()) {
       std::fprintf(stderr, "moe-bench: %s\n", s.ToString().c_str());
       return 1;
     }
@@ -362,7 +369,9 @@ int main(int argc, char** argv) {
                "stop repeating a token count after this long (>= 3 runs)");
   flags.Int("threads", &opt.threads, "CPU threads (0 = all)");
   flags.String("dtype", &opt.dtype, "bf16 or fp32");
-  flags.String("kernels", &opt.kernels, "CPU kernels: best (default) or portable");
+  flags.String("kernels", &opt.kernels,
+               "CPU kernel tier: best, avx512-bf16, avx512, avx2 or portable (default: "
+               "MOE_CPU_KERNELS, else the best this CPU runs)");
   flags.String("json", &opt.json, "also write the results as JSON to this file");
   flags.String("plot", &opt.plot,
                "also plot time and roofline against tokens to this PNG (gnuplot)");

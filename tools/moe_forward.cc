@@ -64,7 +64,10 @@ absl::Status Run(const Options& opt) {
   } else {
     placement = ExpertPlacement::Contiguous(config.routing.num_experts, opt.ranks);
   }
-  CpuBackend backend(CpuBackendOptions{opt.threads, opt.kernels});
+  ASSIGN_OR_RETURN(std::unique_ptr<CpuBackend> owned_backend,
+                   CpuBackend::Create(CpuBackendOptions{opt.threads, opt.kernels}));
+  CpuBackend& backend = *owned_backend;
+  std::fprintf(stderr, "moe-forward: %s on %s\n", opt.checkpoint.c_str(), backend.name().c_str());
   const auto t_load = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(auto local, LocalMoeLayer::Load(*checkpoint, layer, placement, &backend));
   const double load_s =
@@ -118,7 +121,9 @@ int main(int argc, char** argv) {
             "split the experts over this many in-process shards, as the service does");
   flags.String("placement", &opt.placement,
                "expert placement file (one line of expert ids per rank)");
-  flags.String("kernels", &opt.kernels, "CPU kernels: best (default) or portable");
+  flags.String("kernels", &opt.kernels,
+               "CPU kernel tier: best, avx512-bf16, avx512, avx2 or portable (default: "
+               "MOE_CPU_KERNELS, else the best this CPU runs)");
   flags.Int("repeat", &opt.repeat, "run the forward this many times and report the median time");
   flags.Require("checkpoint");
   flags.Require("input");

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/cpu/canonical.h"
+#include "kernels/cpu/tiers.h"
 #include "kernels/shape_checks.h"
 
 namespace moe {
@@ -43,10 +45,33 @@ inline bool RanksBefore(float a, int ia, float b, int ib) {
   return ia < ib;
 }
 
+// The tier the options ask for.
+absl::StatusOr<const cpu::DotKernels*> ResolveKernels(const CpuBackendOptions& options) {
+  ASSIGN_OR_RETURN(const cpu::CpuTier* tier, options.kernels.empty()
+                                                 ? cpu::DefaultCpuTier()
+                                                 : cpu::SelectCpuTier(options.kernels));
+  return tier->kernels();
+}
+
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
+  ASSIGN_OR_RETURN(const cpu::DotKernels* kernels, ResolveKernels(options));
+  return std::unique_ptr<CpuBackend>(new CpuBackend(options, kernels));
+}
+
 CpuBackend::CpuBackend(const CpuBackendOptions& options)
-    : kernels_(options.kernels == "portable" ? &cpu::PortableDotKernels() : &cpu::BestDotKernels()),
+    : CpuBackend(options, [&] {
+        auto kernels = ResolveKernels(options);
+        if (!kernels.ok()) {
+          std::fprintf(stderr, "CpuBackend: %s\n", kernels.status().ToString().c_str());
+          std::abort();
+        }
+        return *kernels;
+      }()) {}
+
+CpuBackend::CpuBackend(const CpuBackendOptions& options, const cpu::DotKernels* kernels)
+    : kernels_(kernels),
       pool_(options.num_threads),
       scratch_(pool_.num_threads()),
       thread_out_(pool_.num_threads()) {}

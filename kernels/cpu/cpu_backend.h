@@ -18,17 +18,24 @@ namespace moe {
 
 struct CpuBackendOptions {
   int num_threads = 0;  // 0: all hardware threads
-  // Kernel variant: "" picks the best the CPU supports; "portable" forces the reference one.
+  // Kernel tier (kernels/cpu/tiers.h): "" = MOE_CPU_KERNELS if set, else the best the host
+  // supports; "best"; or a tier name ("avx2", "portable", ...).
   std::string kernels;
 };
 
 class CpuBackend final : public Backend {
  public:
+  // Fails when the requested tier is unknown or the host cannot run it.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const CpuBackendOptions& options = {});
+  // For tests and tools that pass a tier the host has: aborts with the message otherwise.
   explicit CpuBackend(const CpuBackendOptions& options = {});
+  // With an explicit kernel table (options.kernels is ignored), e.g. a test double.
+  CpuBackend(const CpuBackendOptions& options, const cpu::DotKernels* kernels);
 
   std::string name() const override;
   MemorySpace space() const override { return MemorySpace::kHost; }
   int num_threads() const { return pool_.num_threads(); }
+  const cpu::DotKernels& kernels() const { return *kernels_; }
 
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t bytes) override;
   absl::Status CopyToBackend(void* dst, const void* host_src, size_t bytes) override;

@@ -2,8 +2,8 @@
 //
 // y[i][n] = canonical_dot(x_i, W_n) (kernels/cpu/canonical.h) for every operand row i and
 // every weight row n of a range. Linear layers, the router and the grouped experts are all
-// built from this; ISA variants (portable, AVX-512 BF16) are picked once at start-up and
-// produce identical bits.
+// built from this; each ISA tier (kernels/cpu/tiers.h) has its own table of these functions,
+// picked once at start-up, and every tier produces identical bits.
 #pragma once
 
 #include <cstdint>
@@ -58,25 +58,24 @@ using PackRowFn = void (*)(const float* x, int64_t k, WeightFormat format, Preci
                            void* out);
 
 struct DotKernels {
-  const char* name;
+  const char* name;  // the tier's name (kernels/cpu/tiers.h)
   DotRowsFn dot_rows;
   int row_block;  // weight rows a kernel prefers per call (work split granularity)
   GluRowFn glu_row;
   PackRowFn pack_row;
 };
 
-// The portable GLU row (also the fallback of every ISA).
+// The portable GLU row: the definition the vector ones match.
 void PortableGluRow(const float* g, const float* u, int64_t n, const ActivationParams& act,
                     Precision precision, float* out);
-// The AVX-512 GLU row and row packing.
-GluRowFn Avx512GluRow();
-PackRowFn Avx512PackRow();
 
-// Portable implementation (any x86-64 / any CPU): the definition the others match.
-const DotKernels& PortableDotKernels();
-// AVX-512 F/BW/VL + BF16 + VBMI (Zen 4, Sapphire Rapids); nullptr when not compiled in.
-const DotKernels* Avx512DotKernels();
-// The best kernels this CPU supports; MOE_CPU_KERNELS=portable forces the portable ones.
-const DotKernels& BestDotKernels();
+// One table per tier (kernels/cpu/tiers.h lists them with their host checks). Calling a tier's
+// function is only allowed on a host that passes its check: their code uses its instructions.
+const DotKernels* PortableDotKernels();  // any CPU: the definition the others match
+#if defined(__x86_64__)
+const DotKernels* Avx2DotKernels();        // AVX2 + FMA + F16C (Haswell, Zen 1 and later)
+const DotKernels* Avx512DotKernels();      // AVX-512 F/BW/VL/DQ (Skylake-SP to Ice Lake)
+const DotKernels* Avx512Bf16DotKernels();  // + AVX-512 BF16 and VBMI (Zen 4, Sapphire Rapids)
+#endif
 
 }  // namespace moe::cpu

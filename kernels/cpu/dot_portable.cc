@@ -38,10 +38,10 @@ void PortableGluRow(const float* g, const float* u, int64_t n, const ActivationP
         RoundTo(precision, GluActivate(act, RoundTo(precision, g[i]), RoundTo(precision, u[i])));
 }
 
-const DotKernels& PortableDotKernels() {
+const DotKernels* PortableDotKernels() {
   static const DotKernels kernels{"portable", &PortableDotRows, 1, &PortableGluRow,
                                   &PackActivationRow};
-  return kernels;
+  return &kernels;
 }
 
 }  // namespace moe::cpu

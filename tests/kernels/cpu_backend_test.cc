@@ -8,6 +8,8 @@
 
 #include "gtest/gtest.h"
 #include "tests/kernels/test_weights.h"
+#include "tests/kernels/tier_checks.h"
+#include "tests/kernels/tier_testing.h"
 
 namespace moe {
 namespace {
@@ -51,24 +53,34 @@ TEST_F(CpuBackendTest, LinearRoundsTheExactProductToBf16) {
   }
 }
 
-TEST_F(CpuBackendTest, ResultsDoNotDependOnTheBatchOrTheKernelVariant) {
+// Every tier the host runs, and the batch a row is in, leave Linear's bits alone.
+TEST_F(CpuBackendTest, ResultsDoNotDependOnTheBatchOrTheKernelTier) {
   const int64_t k = 3584, n = 40, m = 37;
   for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP4, WeightFormat::kFP8Block128}) {
     RandomWeight w(f, n, k, 7);
     auto x = RandomActivations(m, k, 8);
-    std::vector<float> batch(m * n), single(n), portable(m * n);
-    ASSERT_TRUE(backend_.Linear(CView(x, m, k), w.view, View(batch, m, n), Precision::kBF16).ok());
+    std::vector<float> portable(m * n);
     ASSERT_TRUE(
         portable_.Linear(CView(x, m, k), w.view, View(portable, m, n), Precision::kBF16).ok());
-    EXPECT_EQ(batch, portable) << WeightFormatName(f);
-    for (int64_t i : {0L, 5L, 36L}) {
-      ASSERT_TRUE(backend_
-                      .Linear(ConstMatrixView(x.data() + i * k, 1, k, k), w.view,
-                              View(single, 1, n), Precision::kBF16)
-                      .ok());
-      for (int64_t j = 0; j < n; ++j)
-        ASSERT_EQ(single[j], batch[i * n + j]) << WeightFormatName(f) << " row " << i;
+    int tiers = 0;
+    for (const cpu::CpuTier* tier : testing::VectorTiers()) {
+      if (!tier->host_supports()) continue;
+      ++tiers;
+      CpuBackend backend(CpuBackendOptions{2, tier->name});
+      std::vector<float> batch(m * n), single(n);
+      ASSERT_TRUE(backend.Linear(CView(x, m, k), w.view, View(batch, m, n), Precision::kBF16).ok());
+      EXPECT_EQ(batch, portable) << WeightFormatName(f) << " " << tier->name;
+      for (int64_t i : {0L, 5L, 36L}) {
+        ASSERT_TRUE(backend
+                        .Linear(ConstMatrixView(x.data() + i * k, 1, k, k), w.view,
+                                View(single, 1, n), Precision::kBF16)
+                        .ok());
+        for (int64_t j = 0; j < n; ++j)
+          ASSERT_EQ(single[j], batch[i * n + j])
+              << WeightFormatName(f) << " " << tier->name << " row " << i;
+      }
     }
+    if (tiers == 0) GTEST_SKIP() << "this host runs no vector tier: only the portable kernels";
   }
 }
 
@@ -244,45 +256,66 @@ TEST_F(CpuBackendTest, ExpertMlpMatchesReference) {
       }
 }
 
-// The whole grouped-expert op, every format and precision: the vector kernels (dot, GLU,
-// packing) give the portable kernels' bits, so results never depend on the CPU.
-TEST_F(CpuBackendTest, ExpertMlpIsBitIdenticalAcrossKernelVariants) {
+// The whole grouped-expert op, every format and precision: every tier's kernels (dot, GLU,
+// packing) give the portable kernels' bits, so results never depend on the CPU; a tier with a
+// one-ulp bug in any of the three does not.
+std::vector<double> RunExpertMlp(CpuBackend& backend, WeightFormat f, Precision p) {
   const int64_t in = 320, hidden = 200;  // hidden not a multiple of 64: partial units
-  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP4, WeightFormat::kFP8Block128})
-    for (Precision p : {Precision::kBF16, Precision::kFP32}) {
-      const int64_t h = f == WeightFormat::kMXFP4 ? 256 : hidden;  // MXFP4 needs multiples of 32
-      std::vector<std::unique_ptr<RandomWeight>> owned;
-      std::vector<MlpWeights> experts;
-      for (int e = 0; e < 3; ++e) {
-        owned.push_back(std::make_unique<RandomWeight>(f, h, in, 10 + e));
-        owned.push_back(std::make_unique<RandomWeight>(f, h, in, 20 + e));
-        owned.push_back(std::make_unique<RandomWeight>(f, in, h, 30 + e));
-        experts.push_back({owned[3 * e]->view, owned[3 * e + 1]->view, owned[3 * e + 2]->view});
-      }
-      const int64_t M = 37;
-      ExpertAssignments asg;
-      asg.offsets = {0};
-      for (int e = 0; e < 3; ++e) {
-        for (int64_t r = e; r < M; r += 2) {
-          asg.rows.push_back(static_cast<int32_t>(r));
-          asg.gates.push_back(0.25f + 0.01f * static_cast<float>(r));
-        }
-        asg.offsets.push_back(static_cast<int32_t>(asg.rows.size()));
-      }
-      auto x = RandomActivations(M, in, 5, p == Precision::kBF16);
-      std::vector<double> best(M * in), portable(M * in);
-      ActivationParams act{Activation::kSiTU, 4.0f, 25.0f};
-      ASSERT_TRUE(
-          backend_
-              .ExpertMlp(CView(x, M, in), asg, experts, act, PartialView(best.data(), M, in, in), p)
-              .ok());
-      ASSERT_TRUE(portable_
-                      .ExpertMlp(CView(x, M, in), asg, experts, act,
-                                 PartialView(portable.data(), M, in, in), p)
-                      .ok());
-      EXPECT_EQ(best, portable) << WeightFormatName(f) << " "
-                                << (p == Precision::kBF16 ? "bf16" : "fp32");
+  const int64_t h = f == WeightFormat::kMXFP4 ? 256 : hidden;  // MXFP4 needs multiples of 32
+  std::vector<std::unique_ptr<RandomWeight>> owned;
+  std::vector<MlpWeights> experts;
+  for (int e = 0; e < 3; ++e) {
+    owned.push_back(std::make_unique<RandomWeight>(f, h, in, 10 + e));
+    owned.push_back(std::make_unique<RandomWeight>(f, h, in, 20 + e));
+    owned.push_back(std::make_unique<RandomWeight>(f, in, h, 30 + e));
+    experts.push_back({owned[3 * e]->view, owned[3 * e + 1]->view, owned[3 * e + 2]->view});
+  }
+  const int64_t M = 37;
+  ExpertAssignments asg;
+  asg.offsets = {0};
+  for (int e = 0; e < 3; ++e) {
+    for (int64_t r = e; r < M; r += 2) {
+      asg.rows.push_back(static_cast<int32_t>(r));
+      asg.gates.push_back(0.25f + 0.01f * static_cast<float>(r));
     }
+    asg.offsets.push_back(static_cast<int32_t>(asg.rows.size()));
+  }
+  auto x = RandomActivations(M, in, 5, p == Precision::kBF16);
+  std::vector<double> y(M * in);
+  ActivationParams act{Activation::kSiTU, 4.0f, 25.0f};
+  EXPECT_TRUE(
+      backend.ExpertMlp(CView(x, M, in), asg, experts, act, PartialView(y.data(), M, in, in), p)
+          .ok());
+  return y;
+}
+
+TEST_F(CpuBackendTest, ExpertMlpIsBitIdenticalAcrossKernelTiers) {
+  int tiers = 0;
+  for (const cpu::CpuTier* tier : testing::VectorTiers()) {
+    if (!tier->host_supports()) continue;
+    ++tiers;
+    CpuBackend backend(CpuBackendOptions{2, tier->name});
+    for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP4, WeightFormat::kFP8Block128})
+      for (Precision p : {Precision::kBF16, Precision::kFP32})
+        EXPECT_EQ(RunExpertMlp(backend, f, p), RunExpertMlp(portable_, f, p))
+            << tier->name << " " << WeightFormatName(f) << " " << testing::PrecisionName(p);
+  }
+  if (tiers == 0) GTEST_SKIP() << "this host runs no vector tier: only the portable kernels";
+}
+
+// An fp32 ulp in a dot product or an activation shows in fp32 mode (bf16 mode mostly rounds it
+// away, which is why the kernel tests compare the unrounded outputs); a bf16 ulp in a packed
+// operand shows in bf16 mode.
+TEST_F(CpuBackendTest, ExpertMlpCheckCatchesEachCorruptedKernel) {
+  for (auto [what, p] : {std::pair{testing::Corruption::kDot, Precision::kFP32},
+                         std::pair{testing::Corruption::kGlu, Precision::kFP32},
+                         std::pair{testing::Corruption::kPack, Precision::kBF16}}) {
+    const cpu::DotKernels corrupted = testing::Corrupted(*cpu::PortableDotKernels(), what);
+    CpuBackend backend(CpuBackendOptions{2, ""}, &corrupted);
+    EXPECT_NE(RunExpertMlp(backend, WeightFormat::kMXFP4, p),
+              RunExpertMlp(portable_, WeightFormat::kMXFP4, p))
+        << static_cast<int>(what);
+  }
 }
 
 TEST_F(CpuBackendTest, RmsNormAndRoundingOps) {

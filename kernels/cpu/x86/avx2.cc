@@ -1,0 +1,819 @@
+// AVX2 tier (AVX2 + FMA + F16C: Haswell, Zen 1 and later): dot kernels, GLU and packing, bit
+// for bit the canonical order of kernels/cpu/canonical.h.
+//
+// The 16 canonical lanes are two 8-lane halves (lanes 0-7, 8-15), kept in separate registers;
+// lanes never mix until the final reduction tree, whose first step adds the two halves.
+//
+// bf16 mode: VDPBF16PS emulated exactly. A bf16 x bf16 product is exact in fp32, so lane i's
+// two steps per 32-element chunk are two FMAs, element 2i+1 first, then 2i. Operands and
+// weights are split into fp32 vectors of their odd and even elements (the upper and lower word
+// of each dword of bf16 pairs); per 128-element block the split layout is
+//     [half h][chunk c][odd | even][8 lanes]      (floats at 64h + 16c + 8 * even + lane)
+// and a block is consumed in exactly that order, so every lane sees its chunks in order.
+// fp32 mode: chunk c of 16 elements is its two halves at 16c (lanes 0-7) and 16c + 8.
+//
+// Weights (all decodes exact):
+//  - bf16: read in place, split by a mask and a shift.
+//  - MXFP4: the four nibbles of each 16-bit word of packed bytes are runs 0..3 of the canonical
+//    order (canonical.h); a 128-bit lane of 32 packed bytes holds one scale block, so one
+//    vpshufb per lane looks 16 nibbles up in a 16-entry table of that block's scaled bf16 low
+//    bytes, one more in its high bytes (tables for all 256 E8M0 scales, built by the scalar
+//    decoder once).
+//  - FP8 e4m3: one vpshufb puts each byte into the high byte of an fp16 word in the order the
+//    split layout needs; an arithmetic shift and a mask turn it into the fp16 of value * 2^-8
+//    (exact, subnormals included); F16C's vcvtph2ps widens it exactly; * 256 is exact. No
+//    gathers. The one NaN code (0x7F) would widen to 480, so a group holding it is fixed up.
+// Kernel shapes: for few operand rows the weights are decoded in registers and consumed at once
+// (MXFP4 up to 4 operand rows, FP8 up to 4 whose split rows fit L2 well, bf16 up to 2); for more,
+// groups of weight rows are decoded into the per-thread scratch and walked by 6 x 2 register
+// tiles (3 x 2 with FP8 block partials) over operand rows widened once per call.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <type_traits>
+
+#include "core/numerics.h"
+#include "kernels/cpu/canonical.h"
+#include "kernels/cpu/dot.h"
+#include "kernels/cpu/x86/tile_common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace moe::cpu {
+namespace {
+
+using x86::PrefetchCursor;
+using x86::PrefetchStream;
+using x86::WithCount;
+
+constexpr int64_t kBlock = 128;  // = kPadK = kFp8Block
+static_assert(kBlock == kPadK && kBlock == kFp8Block, "one block size for padding and FP8 scales");
+
+// ---- lanes, layouts, reduction ----------------------------------------------------------------
+
+// The odd (upper word) and even (lower word) elements of 8 dwords of bf16 pairs, as fp32.
+inline __m256 OddElements(__m256i pairs) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline __m256 EvenElements(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+
+// Where vector v (0..7) of half h of a block lives, in floats from the block's start.
+struct SplitLayout {  // bf16 mode: v = 2c + (even), the order the lane's FMAs run in
+  static constexpr int kHalf = 64, kVector = 8;
+};
+struct Fp32Layout {  // fp32 mode: v = chunk c
+  static constexpr int kHalf = 8, kVector = 16;
+};
+inline int64_t SplitOffset(int h, int chunk, int even) { return 64 * h + 16 * chunk + 8 * even; }
+
+// The fixed reduction tree of 16 lanes held as two halves.
+inline float ReduceHalves(__m256 lo, __m256 hi) {
+  const __m256 r8 = _mm256_add_ps(lo, hi);  // i + (i + 8)
+  const __m128 r4 = _mm_add_ps(_mm256_castps256_ps128(r8), _mm256_extractf128_ps(r8, 1));
+  const __m128 r2 = _mm_add_ps(r4, _mm_movehl_ps(r4, r4));
+  return _mm_cvtss_f32(_mm_add_ss(r2, _mm_shuffle_ps(r2, r2, 1)));
+}
+
+// A packed bf16 operand row (canonical order) in the split layout.
+void SplitOperandRow(const uint16_t* x, int64_t kp, float* out) {
+  for (int64_t b = 0; b < kp; b += kBlock)
+    for (int c = 0; c < 4; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b + 32 * c + 16 * h));
+        _mm256_store_ps(out + b + SplitOffset(h, c, 0), OddElements(v));
+        _mm256_store_ps(out + b + SplitOffset(h, c, 1), EvenElements(v));
+      }
+}
+
+// ---- MXFP4 ------------------------------------------------------------------------------------
+
+// Per E8M0 scale s: [low bytes][high bytes] of the bf16 bits of E2M1 nibble n times 2^(s-127),
+// from the scalar decoder, so every scale (255 = NaN included) decodes as the portable kernel.
+struct Mxfp4Tables {
+  alignas(16) uint8_t bytes[256][2][16];
+};
+const Mxfp4Tables& Mxfp4ScaleTables() {
+  static const Mxfp4Tables* tables = [] {
+    auto* t = new Mxfp4Tables;
+    for (int s = 0; s < 256; ++s)
+      for (int n = 0; n < 16; ++n) {
+        const uint16_t bits = FloatToBf16Bits(E2m1ToFloat(static_cast<uint8_t>(n)) *
+                                              E8m0ToFloat(static_cast<uint8_t>(s)));
+        t->bytes[s][0][n] = static_cast<uint8_t>(bits & 0xFF);
+        t->bytes[s][1][n] = static_cast<uint8_t>(bits >> 8);
+      }
+    return t;
+  }();
+  return *tables;
+}
+
+// Half h of one 128-element group: its 32 packed bytes (16 words, nibbles of elements
+// 4w .. 4w+3; words 0-7 in scale block 2h, 8-15 in 2h + 1) -> the bf16 words of chunks 0..3,
+// half h (canonical positions 16h .. 16h + 15 of runs 0..3).
+class Mxfp4Decoder {
+ public:
+  Mxfp4Decoder() : tables_(Mxfp4ScaleTables()) {}
+
+  void Half(const uint8_t* bytes, const uint8_t* block_scales, __m256i out[4]) const {
+    const auto* lo0 = reinterpret_cast<const __m128i*>(tables_.bytes[block_scales[0]][0]);
+    const auto* hi0 = reinterpret_cast<const __m128i*>(tables_.bytes[block_scales[0]][1]);
+    const auto* lo1 = reinterpret_cast<const __m128i*>(tables_.bytes[block_scales[1]][0]);
+    const auto* hi1 = reinterpret_cast<const __m128i*>(tables_.bytes[block_scales[1]][1]);
+    const __m256i t_lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128(lo0)),
+                                                 _mm_load_si128(lo1), 1);
+    const __m256i t_hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128(hi0)),
+                                                 _mm_load_si128(hi1), 1);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    const __m256i a = _mm256_and_si256(w, nib);                        // runs 0 | 2 per word
+    const __m256i b = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);  // runs 1 | 3
+    const __m256i la = _mm256_shuffle_epi8(t_lo, a), ha = _mm256_shuffle_epi8(t_hi, a);
+    const __m256i lb = _mm256_shuffle_epi8(t_lo, b), hb = _mm256_shuffle_epi8(t_hi, b);
+    const __m256i low = _mm256_set1_epi16(0x00FF), high = _mm256_set1_epi16(-256);
+    out[0] = _mm256_or_si256(_mm256_and_si256(la, low), _mm256_slli_epi16(ha, 8));
+    out[1] = _mm256_or_si256(_mm256_and_si256(lb, low), _mm256_slli_epi16(hb, 8));
+    out[2] = _mm256_or_si256(_mm256_srli_epi16(la, 8), _mm256_and_si256(ha, high));
+    out[3] = _mm256_or_si256(_mm256_srli_epi16(lb, 8), _mm256_and_si256(hb, high));
+  }
+
+ private:
+  const Mxfp4Tables& tables_;
+};
+
+// ---- FP8 e4m3 ---------------------------------------------------------------------------------
+
+// vpshufb controls: per 128-bit lane (16 bytes = elements 16L + 0..15 of a 64-element group),
+// byte b of run r (elements 16L + 8r + b, b < 8) goes to the high byte of a word, low byte 0.
+// Split: words 0-3 the even bytes 0, 2, 4, 6 of the run, words 4-7 the odd ones. Natural:
+// words 0-7 bytes 0..7 of the run (fp32 mode, in canonical position order).
+struct Fp8Controls {
+  alignas(32) int8_t split[2][32];
+  alignas(32) int8_t natural[2][32];
+};
+const Fp8Controls& Fp8ShuffleControls() {
+  static const Fp8Controls controls = [] {
+    Fp8Controls c{};
+    for (int r = 0; r < 2; ++r)
+      for (int lane = 0; lane < 2; ++lane)
+        for (int k = 0; k < 8; ++k) {
+          const int split_byte = 8 * r + (k < 4 ? 2 * k : 2 * (k - 4) + 1);
+          c.split[r][16 * lane + 2 * k] = -128;  // zero
+          c.split[r][16 * lane + 2 * k + 1] = static_cast<int8_t>(split_byte);
+          c.natural[r][16 * lane + 2 * k] = -128;
+          c.natural[r][16 * lane + 2 * k + 1] = static_cast<int8_t>(8 * r + k);
+        }
+    return c;
+  }();
+  return controls;
+}
+
+// 16 words, each an FP8 byte in its high byte -> the fp16 bits of the byte's value * 2^-8.
+inline __m256i Fp8WordsToHalf(__m256i words) {
+  return _mm256_and_si256(_mm256_srai_epi16(words, 1),
+                          _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+}
+inline __m256 HalfToFp8Value(__m128i half) {
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+}
+
+// Whether 32 stored bytes hold the NaN code (S.1111.111).
+inline bool HasFp8Nan(__m256i bytes) {
+  const __m256i mag = _mm256_set1_epi8(0x7F);
+  const __m256i nan = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, mag), mag);
+  return !_mm256_testz_si256(nan, nan);
+}
+// The NaN code widens to +-480 (no finite E4M3 value): replace it by the portable decoder's NaN.
+inline __m256 FixFp8Nan(__m256 v) {
+  const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f));
+  const __m256 nan = _mm256_or_ps(sign, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)));
+  const __m256 is_nan =
+      _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
+  return _mm256_blendv_ps(v, nan, is_nan);
+}
+
+// 32 stored bytes of a row from k (zero past `cols`: +0, the padding).
+inline __m256i LoadFp8Bytes(const uint8_t* row, int64_t cols, int64_t k) {
+  if (k + 32 <= cols) {
+    PrefetchStream(row + k);
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+  }
+  alignas(32) uint8_t bytes[32] = {};
+  if (k < cols) std::memcpy(bytes, row + k, static_cast<size_t>(cols - k));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+}
+
+// Run r of half h of a group (its 32 bytes `half`) in the split layout: odd and even elements.
+inline void Fp8SplitRun(__m256i half, const __m256i& control, bool nan, __m256* odd, __m256* even) {
+  // [even lanes 0-3 | odd 0-3] [even 4-7 | odd 4-7] -> [even 0-7] [odd 0-7]
+  const __m256i h =
+      _mm256_permute4x64_epi64(Fp8WordsToHalf(_mm256_shuffle_epi8(half, control)), 0xD8);
+  *even = HalfToFp8Value(_mm256_castsi256_si128(h));
+  *odd = HalfToFp8Value(_mm256_extracti128_si256(h, 1));
+  if (nan) {
+    *even = FixFp8Nan(*even);
+    *odd = FixFp8Nan(*odd);
+  }
+}
+
+// Calls store(block, h, words) for half h of every 128-element group of MXFP4 row n (words:
+// the bf16 words of chunks 0..3, half h); a partial last group decodes from a zero-padded
+// copy (missing nibbles are 0, i.e. +0).
+template <typename Store>
+void DecodeMxfp4Row(const WeightMatrix& w, int64_t n, Store&& store) {
+  const Mxfp4Decoder decoder;
+  const auto* packed = static_cast<const uint8_t*>(w.data) + n * (w.cols / 2);
+  const auto* scales = static_cast<const uint8_t*>(w.scales) + n * (w.cols / 32);
+  for (int64_t g = 0; g * kBlock < w.cols; ++g) {
+    alignas(32) uint8_t bytes[64] = {};
+    alignas(16) uint8_t block_scales[4] = {127, 127, 127, 127};
+    const uint8_t* p = packed + 64 * g;
+    const uint8_t* s = scales + 4 * g;
+    if ((g + 1) * kBlock > w.cols) {
+      const int64_t blocks = (w.cols - g * kBlock) / 32;
+      std::memcpy(bytes, p, static_cast<size_t>(16 * blocks));
+      std::memcpy(block_scales, s, static_cast<size_t>(blocks));
+      p = bytes;
+      s = block_scales;
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i words[4];
+      decoder.Half(p + 32 * h, s + 2 * h, words);
+      store(g, h, words);
+    }
+  }
+}
+
+// ---- weight rows into the scratch (decoded once, reused by every operand tile) ---------------
+
+// Row n in the split layout (bf16 mode), kp floats.
+void DecodeRowSplit(const WeightMatrix& w, int64_t n, float* out) {
+  const int64_t kp = PaddedK(w.cols);
+  switch (w.format) {
+    case WeightFormat::kBF16: {
+      const uint16_t* row = static_cast<const uint16_t*>(w.data) + n * w.cols;
+      const int64_t full = w.cols / kBlock * kBlock;
+      SplitOperandRow(row, full, out);
+      if (full < kp) {
+        alignas(32) uint16_t tail[kBlock] = {};
+        std::memcpy(tail, row + full, static_cast<size_t>(w.cols - full) * sizeof(uint16_t));
+        SplitOperandRow(tail, kBlock, out + full);
+      }
+      return;
+    }
+    case WeightFormat::kMXFP4:
+      DecodeMxfp4Row(w, n, [&](int64_t g, int h, const __m256i(&words)[4]) {
+        for (int c = 0; c < 4; ++c) {
+          _mm256_store_ps(out + kBlock * g + SplitOffset(h, c, 0), OddElements(words[c]));
+          _mm256_store_ps(out + kBlock * g + SplitOffset(h, c, 1), EvenElements(words[c]));
+        }
+      });
+      return;
+    case WeightFormat::kFP8Block128: {
+      const Fp8Controls& controls = Fp8ShuffleControls();
+      const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(controls.split[0]));
+      const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(controls.split[1]));
+      const auto* row = static_cast<const uint8_t*>(w.data) + n * w.cols;
+      for (int64_t k = 0; k < kp; k += 64) {
+        float* block = out + (k / kBlock) * kBlock;
+        const int chunk0 = static_cast<int>((k % kBlock) / 32);  // runs of this group: 2 chunks
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bytes = LoadFp8Bytes(row, w.cols, k + 32 * h);
+          const bool nan = HasFp8Nan(bytes);
+          for (int r = 0; r < 2; ++r) {
+            __m256 odd, even;
+            Fp8SplitRun(bytes, r ? c1 : c0, nan, &odd, &even);
+            _mm256_store_ps(block + SplitOffset(h, chunk0 + r, 0), odd);
+            _mm256_store_ps(block + SplitOffset(h, chunk0 + r, 1), even);
+          }
+        }
+      }
+      return;
+    }
+  }
+}
+
+// Row n as fp32 in canonical order (fp32 mode), kp floats.
+void DecodeRowFp32(const WeightMatrix& w, int64_t n, float* out) {
+  const int64_t kp = PaddedK(w.cols);
+  auto widen16 = [](__m256i words, float* o) {  // 16 bf16 words -> 16 floats, in order
+    _mm256_store_ps(o, _mm256_castsi256_ps(_mm256_slli_epi32(
+                           _mm256_cvtepu16_epi32(_mm256_castsi256_si128(words)), 16)));
+    _mm256_store_ps(o + 8, _mm256_castsi256_ps(_mm256_slli_epi32(
+                               _mm256_cvtepu16_epi32(_mm256_extracti128_si256(words, 1)), 16)));
+  };
+  switch (w.format) {
+    case WeightFormat::kBF16: {
+      const uint16_t* row = static_cast<const uint16_t*>(w.data) + n * w.cols;
+      int64_t k = 0;
+      for (; k + 16 <= w.cols; k += 16)
+        widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)), out + k);
+      for (; k < w.cols; ++k) out[k] = Bf16BitsToFloat(row[k]);
+      std::fill(out + w.cols, out + kp, 0.0f);
+      return;
+    }
+    case WeightFormat::kMXFP4:  // the words are canonical positions 32c + 16h + (0..15)
+      DecodeMxfp4Row(w, n, [&](int64_t g, int h, const __m256i(&words)[4]) {
+        for (int c = 0; c < 4; ++c) widen16(words[c], out + kBlock * g + 32 * c + 16 * h);
+      });
+      return;
+    case WeightFormat::kFP8Block128: {
+      // Canonical positions 32r + 8L .. +7 of a group are its bytes 16L + 8r .. +7.
+      const Fp8Controls& controls = Fp8ShuffleControls();
+      const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(controls.natural[0]));
+      const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(controls.natural[1]));
+      const auto* row = static_cast<const uint8_t*>(w.data) + n * w.cols;
+      for (int64_t k = 0; k < kp; k += 64)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bytes = LoadFp8Bytes(row, w.cols, k + 32 * h);
+          const bool nan = HasFp8Nan(bytes);
+          for (int r = 0; r < 2; ++r) {
+            // lanes: [L = 2h positions 0-7 | L = 2h + 1 positions 0-7] of run r
+            const __m256i half = Fp8WordsToHalf(_mm256_shuffle_epi8(bytes, r ? c1 : c0));
+            __m256 a = HalfToFp8Value(_mm256_castsi256_si128(half));
+            __m256 b = HalfToFp8Value(_mm256_extracti128_si256(half, 1));
+            if (nan) {
+              a = FixFp8Nan(a);
+              b = FixFp8Nan(b);
+            }
+            _mm256_store_ps(out + k + 32 * r + 8 * (2 * h), a);
+            _mm256_store_ps(out + k + 32 * r + 8 * (2 * h + 1), b);
+          }
+        }
+      return;
+    }
+  }
+}
+
+// ---- register tiles over decoded rows ----------------------------------------------------------
+
+// MR operand rows x NR weight rows over kp elements, both in layout L, as two passes (half 0,
+// then half 1). FP8 (kBlocked): each block accumulates into fresh partials, then
+// lanes = fma(partial, scale_inv, lanes). `prefetch` steps once per block of the first pass.
+template <int MR, int NR, bool kBlocked, typename L>
+void Tile(const float* const* x, const float* const* w, const float* const* scales, int64_t kp,
+          float* y, int64_t ldy, PrefetchCursor* prefetch) {
+  __m256 first[MR][NR];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < kp; b0 += kBlock) {
+      if (h == 0) prefetch->Step();
+      __m256 part[MR][NR];
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) part[i][j] = kBlocked ? _mm256_setzero_ps() : acc[i][j];
+      for (int v = 0; v < 8; ++v) {
+        const int64_t off = b0 + h * L::kHalf + v * L::kVector;
+        __m256 wv[NR];
+        for (int j = 0; j < NR; ++j) wv[j] = _mm256_load_ps(w[j] + off);
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xv = _mm256_loadu_ps(x[i] + off);
+          for (int j = 0; j < NR; ++j) part[i][j] = _mm256_fmadd_ps(wv[j], xv, part[i][j]);
+        }
+      }
+      for (int j = 0; j < NR; ++j) {
+        if constexpr (kBlocked) {
+          const __m256 s = _mm256_set1_ps(scales[j][b0 / kBlock]);
+          for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(part[i][j], s, acc[i][j]);
+        } else {
+          for (int i = 0; i < MR; ++i) acc[i][j] = part[i][j];
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) {
+        if (h == 0) {
+          first[i][j] = acc[i][j];
+        } else {
+          y[i * ldy + j] = ReduceHalves(first[i][j], acc[i][j]);
+        }
+      }
+  }
+}
+
+// Tile shapes: 6 x 2 (12 accumulators, 2 weight vectors, 1 operand vector of the 16 registers);
+// with FP8 block partials 3 x 2 (partials and totals).
+constexpr int kTileCols = 2;
+constexpr int kTileRows = 6;
+constexpr int kBlockedTileRows = 3;
+constexpr int kGroupRows = 8;  // weight rows decoded into the scratch at a time
+
+// Rows [n0, n1) against all operand rows: weight rows decoded kGroupRows at a time into the
+// scratch, operand rows widened into it once (bf16 mode; fp32 operands are used in place).
+void ScratchRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                 DotScratch* scratch) {
+  const WeightMatrix& w = *op.w;
+  const bool bf16 = op.precision == Precision::kBF16;
+  const bool fp8 = w.format == WeightFormat::kFP8Block128;
+  const int64_t kp = PaddedK(w.cols);
+  const int64_t x_floats = bf16 ? op.m * kp : 0;
+  auto* base = reinterpret_cast<float*>(scratch->Reserve(
+      static_cast<size_t>((kGroupRows * kp + x_floats) * 4 + op.m * sizeof(const float*))));
+  float* rows = base;
+  float* x_split = base + kGroupRows * kp;
+  auto** xp = reinterpret_cast<const float**>(x_split + x_floats);
+  for (int64_t i = 0; i < op.m; ++i) {
+    const int64_t r = op.x_rows ? op.x_rows[i] : i;
+    if (bf16) {
+      SplitOperandRow(static_cast<const uint16_t*>(op.x) + r * op.x_stride, kp, x_split + i * kp);
+      xp[i] = x_split + i * kp;
+    } else {
+      xp[i] = static_cast<const float*>(op.x) + r * op.x_stride;
+    }
+  }
+  const int tile_rows = fp8 ? kBlockedTileRows : kTileRows;
+  const int64_t i_tiles = (op.m + tile_rows - 1) / tile_rows;
+  for (int64_t nb = n0; nb < n1; nb += kGroupRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kGroupRows, n1 - nb));
+    const float* wp[kGroupRows];
+    const float* sp[kGroupRows];
+    for (int j = 0; j < nr; ++j) {
+      float* row = rows + j * kp;
+      if (bf16) {
+        DecodeRowSplit(w, nb + j, row);
+      } else {
+        DecodeRowFp32(w, nb + j, row);
+      }
+      wp[j] = row;
+      sp[j] = fp8 ? Fp8RowScales(w, nb + j) : nullptr;
+    }
+    // The next group's stored bytes are requested into L2 while this group's tiles compute.
+    PrefetchCursor prefetch =
+        PrefetchCursor::Rows(w, nb + nr, std::min<int64_t>(kGroupRows, n1 - nb - nr),
+                             (kp / kBlock) * i_tiles * ((nr + kTileCols - 1) / kTileCols));
+    for (int64_t i0 = 0; i0 < op.m; i0 += tile_rows) {
+      const int mr = static_cast<int>(std::min<int64_t>(tile_rows, op.m - i0));
+      for (int j0 = 0; j0 < nr; j0 += kTileCols) {
+        const int nc = std::min(kTileCols, nr - j0);
+        float* yt = y + i0 * ldy + (nb - n0) + j0;
+        auto run = [&](auto rows_tag, auto cols_tag) {
+          constexpr int kMr = decltype(rows_tag)::value, kNr = decltype(cols_tag)::value;
+          if (fp8) {
+            if constexpr (kMr <= kBlockedTileRows) {
+              if (bf16) {
+                Tile<kMr, kNr, true, SplitLayout>(xp + i0, wp + j0, sp + j0, kp, yt, ldy,
+                                                  &prefetch);
+              } else {
+                Tile<kMr, kNr, true, Fp32Layout>(xp + i0, wp + j0, sp + j0, kp, yt, ldy, &prefetch);
+              }
+            }
+          } else if (bf16) {
+            Tile<kMr, kNr, false, SplitLayout>(xp + i0, wp + j0, nullptr, kp, yt, ldy, &prefetch);
+          } else {
+            Tile<kMr, kNr, false, Fp32Layout>(xp + i0, wp + j0, nullptr, kp, yt, ldy, &prefetch);
+          }
+        };
+        WithCount<kTileRows>(mr, [&](auto rows_tag) {
+          WithCount<kTileCols>(nc, [&](auto cols_tag) { run(rows_tag, cols_tag); });
+        });
+      }
+    }
+  }
+}
+
+// ---- weights decoded in registers, for few operand rows -----------------------------------------
+
+// Operand rows in the split layout, in the scratch; returns their pointers' array.
+const float* const* SplitOperands(const DotOperands& op, int64_t kp, DotScratch* scratch) {
+  auto* base = reinterpret_cast<float*>(
+      scratch->Reserve(static_cast<size_t>(op.m * kp * 4 + op.m * sizeof(const float*))));
+  auto** xp = reinterpret_cast<const float**>(base + op.m * kp);
+  for (int64_t i = 0; i < op.m; ++i) {
+    const int64_t r = op.x_rows ? op.x_rows[i] : i;
+    SplitOperandRow(static_cast<const uint16_t*>(op.x) + r * op.x_stride, kp, base + i * kp);
+    xp[i] = base + i * kp;
+  }
+  return xp;
+}
+
+// Adds 4 chunks' bf16 words (one half of a block, chunks in order) of one weight row to MR
+// accumulators: per chunk the odd elements' FMA, then the even ones'.
+template <int MR>
+inline void AccumulateHalf(const __m256i (&words)[4], const float* const* x, int64_t off,
+                           __m256* acc) {
+  for (int c = 0; c < 4; ++c) {
+    const __m256 odd = OddElements(words[c]), even = EvenElements(words[c]);
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm256_fmadd_ps(odd, _mm256_load_ps(x[i] + off + 16 * c), acc[i]);
+      acc[i] = _mm256_fmadd_ps(even, _mm256_load_ps(x[i] + off + 16 * c + 8), acc[i]);
+    }
+  }
+}
+
+// MXFP4 (cols a multiple of 128): NR weight rows side by side, both halves of each block in
+// one pass, so 2 x MR x NR independent accumulator chains hide the FMA latency.
+template <int MR, int NR>
+void FusedMxfp4Tile(const float* const* x, const uint8_t* const* packed,
+                    const uint8_t* const* scales, int64_t cols, float* y, int64_t ldy) {
+  const Mxfp4Decoder decoder;
+  __m256 acc[2][NR][MR];
+  for (auto& half : acc)
+    for (auto& row : half)
+      for (__m256& a : row) a = _mm256_setzero_ps();
+  for (int64_t g = 0; g < cols / kBlock; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      PrefetchStream(packed[r] + 64 * g);
+      for (int h = 0; h < 2; ++h) {
+        __m256i words[4];
+        decoder.Half(packed[r] + 64 * g + 32 * h, scales[r] + 4 * g + 2 * h, words);
+        AccumulateHalf<MR>(words, x, kBlock * g + SplitOffset(h, 0, 0), acc[h][r]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) y[i * ldy + r] = ReduceHalves(acc[0][r][i], acc[1][r][i]);
+}
+
+// Weight rows side by side: 2 x MR x NR accumulators stay <= 8.
+template <int MR>
+constexpr int kFusedMxfp4Rows = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
+
+template <int MR>
+void FusedMxfp4Rows(const WeightMatrix& w, const float* const* x, int64_t n0, int64_t n1, float* y,
+                    int64_t ldy) {
+  constexpr int kNr = kFusedMxfp4Rows<MR>;
+  const auto* data = static_cast<const uint8_t*>(w.data);
+  const auto* scales = static_cast<const uint8_t*>(w.scales);
+  for (int64_t n = n0; n < n1; n += kNr) {
+    const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
+    const uint8_t* p[kNr];
+    const uint8_t* s[kNr];
+    for (int r = 0; r < nr; ++r) {
+      p[r] = data + (n + r) * (w.cols / 2);
+      s[r] = scales + (n + r) * (w.cols / 32);
+    }
+    WithCount<kNr>(nr, [&](auto rows_tag) {
+      FusedMxfp4Tile<MR, decltype(rows_tag)::value>(x, p, s, w.cols, y + (n - n0), ldy);
+    });
+  }
+}
+
+// bf16 weights read in place (cols a multiple of 128), NR rows side by side.
+template <int MR, int NR>
+void FusedBf16Tile(const float* const* x, const uint16_t* const* w, int64_t kp, float* y,
+                   int64_t ldy) {
+  __m256 acc[2][NR][MR];
+  for (auto& half : acc)
+    for (auto& row : half)
+      for (__m256& a : row) a = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < kp; b0 += kBlock)
+    for (int r = 0; r < NR; ++r)
+      for (int h = 0; h < 2; ++h) {
+        __m256i words[4];
+        for (int c = 0; c < 4; ++c)
+          words[c] =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + b0 + 32 * c + 16 * h));
+        AccumulateHalf<MR>(words, x, b0 + SplitOffset(h, 0, 0), acc[h][r]);
+      }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) y[i * ldy + r] = ReduceHalves(acc[0][r][i], acc[1][r][i]);
+}
+
+template <int MR>
+constexpr int kFusedBf16Rows = MR == 1 ? 4 : 2;
+
+template <int MR>
+void FusedBf16Rows(const WeightMatrix& w, const float* const* x, int64_t n0, int64_t n1, float* y,
+                   int64_t ldy) {
+  constexpr int kNr = kFusedBf16Rows<MR>;
+  const auto* data = static_cast<const uint16_t*>(w.data);
+  for (int64_t n = n0; n < n1; n += kNr) {
+    const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
+    const uint16_t* rows[kNr];
+    for (int r = 0; r < nr; ++r) rows[r] = data + (n + r) * w.cols;
+    WithCount<kNr>(nr, [&](auto rows_tag) {
+      FusedBf16Tile<MR, decltype(rows_tag)::value>(x, rows, w.cols, y + (n - n0), ldy);
+    });
+  }
+}
+
+// FP8: one weight row at a time, NB blocks in flight per half (block partials are independent
+// in the canonical order; only their scaled sums into the lanes are sequential), each half in
+// its own pass over the row (the second pass reads it from L1).
+template <int MR, int NB>
+inline void FusedFp8Blocks(const uint8_t* row, int64_t cols, const float* scales, int64_t b0, int h,
+                           const __m256i (&controls)[2], const float* const* x,
+                           __m256 (&lanes)[MR]) {
+  __m256 part[NB][MR];
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < MR; ++i) part[b][i] = _mm256_setzero_ps();
+  for (int b = 0; b < NB; ++b)
+    for (int g = 0; g < 2; ++g) {
+      const __m256i bytes = LoadFp8Bytes(row, cols, b0 + b * kBlock + 64 * g + 32 * h);
+      const bool nan = HasFp8Nan(bytes);
+      for (int r = 0; r < 2; ++r) {
+        __m256 odd, even;
+        Fp8SplitRun(bytes, controls[r], nan, &odd, &even);
+        const int64_t off = b0 + b * kBlock + SplitOffset(h, 2 * g + r, 0);
+        for (int i = 0; i < MR; ++i) {
+          part[b][i] = _mm256_fmadd_ps(odd, _mm256_load_ps(x[i] + off), part[b][i]);
+          part[b][i] = _mm256_fmadd_ps(even, _mm256_load_ps(x[i] + off + 8), part[b][i]);
+        }
+      }
+    }
+  for (int b = 0; b < NB; ++b) {
+    const __m256 s = _mm256_set1_ps(scales[b0 / kBlock + b]);
+    for (int i = 0; i < MR; ++i) lanes[i] = _mm256_fmadd_ps(part[b][i], s, lanes[i]);
+  }
+}
+
+template <int MR>
+constexpr int kFusedFp8Blocks = MR <= 2 ? 4 : 2;
+constexpr int kFusedFp8MaxRows = 4;
+
+template <int MR>
+void FusedFp8Rows(const WeightMatrix& w, const float* const* x, int64_t n0, int64_t n1, float* y,
+                  int64_t ldy) {
+  const Fp8Controls& c = Fp8ShuffleControls();
+  const __m256i controls[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(c.split[0])),
+                               _mm256_load_si256(reinterpret_cast<const __m256i*>(c.split[1]))};
+  const int64_t kp = PaddedK(w.cols);
+  constexpr int kNb = kFusedFp8Blocks<MR>;
+  for (int64_t n = n0; n < n1; ++n) {
+    const auto* row = static_cast<const uint8_t*>(w.data) + n * w.cols;
+    const float* scales = Fp8RowScales(w, n);
+    __m256 first[MR];
+    for (int h = 0; h < 2; ++h) {
+      __m256 lanes[MR];
+      for (int i = 0; i < MR; ++i) lanes[i] = _mm256_setzero_ps();
+      int64_t b0 = 0;
+      for (; b0 + kNb * kBlock <= kp; b0 += kNb * kBlock)
+        FusedFp8Blocks<MR, kNb>(row, w.cols, scales, b0, h, controls, x, lanes);
+      for (; b0 < kp; b0 += kBlock)
+        FusedFp8Blocks<MR, 1>(row, w.cols, scales, b0, h, controls, x, lanes);
+      for (int i = 0; i < MR; ++i) {
+        if (h == 0) {
+          first[i] = lanes[i];
+        } else {
+          y[i * ldy + (n - n0)] = ReduceHalves(first[i], lanes[i]);
+        }
+      }
+    }
+  }
+}
+
+void DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ldy,
+             DotScratch* scratch) {
+  if (op.m == 0 || n0 >= n1) return;
+  const WeightMatrix& w = *op.w;
+  const int64_t kp = PaddedK(w.cols);
+  if (op.precision == Precision::kBF16) {
+    const bool whole_blocks = w.cols % kBlock == 0;
+    const int m = static_cast<int>(op.m);
+    if (w.format == WeightFormat::kMXFP4 && whole_blocks && op.m <= 4) {
+      const float* const* x = SplitOperands(op, kp, scratch);
+      return WithCount<4>(
+          m, [&](auto tag) { FusedMxfp4Rows<decltype(tag)::value>(w, x, n0, n1, y, ldy); });
+    }
+    if (w.format == WeightFormat::kBF16 && whole_blocks && op.m <= 2) {
+      const float* const* x = SplitOperands(op, kp, scratch);
+      return WithCount<2>(
+          m, [&](auto tag) { FusedBf16Rows<decltype(tag)::value>(w, x, n0, n1, y, ldy); });
+    }
+    if (w.format == WeightFormat::kFP8Block128 && op.m <= kFusedFp8MaxRows) {
+      const float* const* x = SplitOperands(op, kp, scratch);
+      return WithCount<kFusedFp8MaxRows>(
+          m, [&](auto tag) { FusedFp8Rows<decltype(tag)::value>(w, x, n0, n1, y, ldy); });
+    }
+  }
+  ScratchRows(op, n0, n1, y, ldy, scratch);
+}
+
+// ---- GLU and packing ----------------------------------------------------------------------------
+
+// The vector operations glu_vector.inc is written in, on 8 lanes.
+struct Avx2Ops {
+  using F = __m256;
+  using I = __m256i;
+  using M = __m256;  // a compare result: all-ones lanes where true
+  static constexpr int kLanes = 8;
+  static F Set(float v) { return _mm256_set1_ps(v); }
+  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F Div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F Min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F Max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F Nearest(F a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static I ToInt(F a) { return _mm256_cvtps_epi32(a); }
+  static F AsFloat(I a) { return _mm256_castsi256_ps(a); }
+  static I AsInt(F a) { return _mm256_castps_si256(a); }
+  static I AddInt(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I SetInt(int32_t v) { return _mm256_set1_epi32(v); }
+  static I ShiftLeft(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I ShiftRight(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static I AndInt(I a, I b) { return _mm256_and_si256(a, b); }
+  static F AndF(F a, F b) { return _mm256_and_ps(a, b); }
+  static F OrF(F a, F b) { return _mm256_or_ps(a, b); }
+  static F Abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static M Less(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static M GreaterEq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+  static F Select(M m, F where_false, F where_true) {
+    return _mm256_blendv_ps(where_false, where_true, m);
+  }
+  static F LoadN(const float* p, int64_t n) {
+    if (n >= kLanes) return _mm256_loadu_ps(p);
+    alignas(32) float buf[kLanes] = {};
+    std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(float));
+    return _mm256_load_ps(buf);
+  }
+  static void StoreN(float* p, F v, int64_t n) {
+    if (n >= kLanes) return _mm256_storeu_ps(p, v);
+    alignas(32) float buf[kLanes];
+    _mm256_store_ps(buf, v);
+    std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(float));
+  }
+};
+
+#include "kernels/cpu/x86/glu_vector.inc"
+
+// bf16 bits (round to nearest even) of 16 floats, in order.
+inline __m256i Bf16Words16(__m256 lo, __m256 hi) {
+  const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(RoundBf16V<Avx2Ops>(lo)), 16);
+  const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(RoundBf16V<Avx2Ops>(hi)), 16);
+  // packus works per 128-bit lane: [a0-3 b0-3 | a4-7 b4-7] -> reorder the quadwords.
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+}
+
+void PackRowAvx2(const float* x, int64_t k, WeightFormat format, Precision precision, void* out) {
+  const int64_t kp = PaddedK(k);
+  const int64_t full =
+      k & ~(kPadK - 1);  // whole 128-element groups; the tail goes the portable way
+  if (precision == Precision::kFP32 && format == WeightFormat::kBF16) {
+    std::memcpy(out, x, static_cast<size_t>(k) * sizeof(float));
+    std::memset(static_cast<float*>(out) + k, 0, static_cast<size_t>(kp - k) * sizeof(float));
+    return;
+  }
+  if (precision == Precision::kFP32 || full == 0) {
+    PackActivationRow(x, k, format, precision, out);
+    return;
+  }
+  auto* o = static_cast<uint16_t*>(out);
+  if (format == WeightFormat::kBF16) {
+    for (int64_t i = 0; i < full; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                          Bf16Words16(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8)));
+  } else if (format == WeightFormat::kFP8Block128) {
+    // Per 64-element group, run r holds elements 16L + 8r + j: eight-element pieces move whole.
+    for (int64_t g = 0; g < full; g += 64)
+      for (int piece = 0; piece < 8; ++piece) {  // elements 8 * piece .. + 7
+        const int L = piece / 2, r = piece % 2;
+        const __m256i v = _mm256_srli_epi32(
+            _mm256_castps_si256(RoundBf16V<Avx2Ops>(_mm256_loadu_ps(x + g + 8 * piece))), 16);
+        const __m128i words =
+            _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + g + 32 * r + 8 * L), words);
+      }
+  } else {
+    // Per 128-element group, run j holds elements 4w + j: 4 x 4 transposes of fp32 quads.
+    for (int64_t g = 0; g < full; g += 128)
+      for (int64_t w0 = 0; w0 < 32; w0 += 16) {  // words w0 .. w0 + 15 of every run
+        __m256 runs[4][2];
+        for (int half = 0; half < 2; ++half) {
+          // rows: elements 4w .. 4w + 3 for w = w0 + 8 * half + (0..3) and (+4..7) in lane 1
+          const float* p = x + g + 4 * (w0 + 8 * half);
+          __m256 r0 = _mm256_loadu_ps(p), r1 = _mm256_loadu_ps(p + 8), r2 = _mm256_loadu_ps(p + 16),
+                 r3 = _mm256_loadu_ps(p + 24);
+          // r0 = [w, w+1], r1 = [w+2, w+3], ... as lanes: regroup so lane 0 holds w..w+3 and
+          // lane 1 w+4..w+7.
+          const __m256 a = _mm256_permute2f128_ps(r0, r2, 0x20),
+                       b = _mm256_permute2f128_ps(r0, r2, 0x31);
+          const __m256 c = _mm256_permute2f128_ps(r1, r3, 0x20),
+                       d = _mm256_permute2f128_ps(r1, r3, 0x31);
+          // a = [w | w+4], b = [w+1 | w+5], c = [w+2 | w+6], d = [w+3 | w+7]
+          const __m256 t0 = _mm256_unpacklo_ps(a, b), t1 = _mm256_unpackhi_ps(a, b);
+          const __m256 t2 = _mm256_unpacklo_ps(c, d), t3 = _mm256_unpackhi_ps(c, d);
+          runs[0][half] = _mm256_shuffle_ps(t0, t2, 0x44);
+          runs[1][half] = _mm256_shuffle_ps(t0, t2, 0xEE);
+          runs[2][half] = _mm256_shuffle_ps(t1, t3, 0x44);
+          runs[3][half] = _mm256_shuffle_ps(t1, t3, 0xEE);
+        }
+        for (int j = 0; j < 4; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g + 32 * j + w0),
+                              Bf16Words16(runs[j][0], runs[j][1]));
+      }
+  }
+  if (full < k || full < kp) PackActivationRow(x + full, k - full, format, precision, o + full);
+}
+
+}  // namespace
+}  // namespace moe::cpu
+#pragma GCC pop_options
+
+namespace moe::cpu {
+
+const DotKernels* Avx2DotKernels() {
+  static const DotKernels kernels{"avx2", &DotRows, kGroupRows, &GluRowV<Avx2Ops>, &PackRowAvx2};
+  return &kernels;
+}
+
+}  // namespace moe::cpu
