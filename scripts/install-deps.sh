@@ -10,8 +10,8 @@ PACKAGES=(
   # service stack
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libcivetweb-dev nlohmann-json3-dev zlib1g-dev libssl-dev libc-ares-dev libre2-dev
-  # tests
-  libgtest-dev libgmock-dev
+  # tests (qemu-user: the binaries on emulated CPUs without AVX-512 / AVX, tests/isa)
+  libgtest-dev libgmock-dev qemu-user
   # CPU math (GEMM roofline reference)
   libdnnl-dev
   # independent reference, python client, plots

@@ -1,11 +1,12 @@
 // moe-bench: performance of the MoE layer next to this machine's roofline, measured in the
 // same run.
 //
-//   moe-bench roofline                      streaming read bandwidth and GEMM peaks
+//   moe-bench roofline                      streaming read bandwidth and compute peaks
 //   moe-bench layer --checkpoint DIR        the layer at 1, 4, 16, 64, 256, 1024 tokens
 //
-// Figure of merit: time / max(bytes / read bandwidth, FLOPs / GEMM peak), where bytes are the
-// weights a step must read (distinct experts touched + router, projections, shared experts).
+// Figure of merit: time / max(bytes / read bandwidth, FLOPs / compute peak), where bytes are the
+// weights a step must read (distinct experts touched + router, projections, shared experts) and
+// the compute peak is that of the multiply-add instruction the CPU kernel tier computes with.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,8 +23,10 @@
 #include "core/flags.h"
 #include "core/status.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/tiers.h"
 #include "model/checkpoint.h"
 #include "model/moe_layer.h"
+#include "tools/bench/probes.h"
 #include "tools/bench/roofline.h"
 
 namespace moe {
@@ -34,6 +37,7 @@ struct LayerOptions {
   int layer = -1, repeat = 5, threads = 0;
   double max_seconds = 30;  // per token count, after the warm-up
   double buffer_gb = 2.0;
+  bool gemm = true;
 };
 
 struct Row {
@@ -90,8 +94,10 @@ absl::Status RunLayer(const LayerOptions& opt) {
   CpuBackend& backend = *owned_backend;
   std::fprintf(stderr, "moe-bench: measuring the roofline (%.1f GB read buffer, GEMM)...\n",
                opt.buffer_gb);
-  const bench::Roofline roof = bench::MeasureRoofline(backend.num_threads(), opt.buffer_gb);
-  const double peak = precision == Precision::kBF16 ? roof.bf16_gflops : roof.fp32_gflops;
+  const std::string tier = backend.kernels().name;
+  const bench::Roofline roof = bench::MeasureRoofline(backend.num_threads(), opt.buffer_gb, tier,
+                                                      precision == Precision::kBF16, opt.gemm);
+  const double peak = roof.peak_gflops;
 
   std::fprintf(stderr, "moe-bench: loading layer %d of %s...\n", layer, opt.checkpoint.c_str());
   const auto t_load = std::chrono::steady_clock::now();
@@ -172,17 +178,20 @@ absl::Status RunLayer(const LayerOptions& opt) {
               WeightFormatName(config.expert_format), opt.dtype.c_str(), backend.name().c_str(),
               load_s);
   std::printf(
-      "machine: streaming read %.1f GB/s at start (each row: the best probe around its runs); "
-      "GEMM %.0f GFLOP/s bf16, %.0f GFLOP/s fp32 (%s)\n",
-      roof.read_gbps, roof.bf16_gflops, roof.fp32_gflops, roof.gemm_source.c_str());
-  std::printf("%7s %10s %10s %8s %10s %9s %9s %10s %10s %11s %9s   %s\n", "tokens", "median ms",
-              "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s", "bw ms", "flop ms",
-              "roofline ms", "x roof", "route / experts / shared / finish ms");
+      "machine: streaming read %.1f GB/s at start (%s loads; each row: the best probe around its "
+      "runs); compute peak %.0f GFLOP/s (%s, the %s tier's multiply-add, %d threads); GEMM "
+      "library %.0f GFLOP/s bf16, %.0f fp32 (%s, for reference)\n",
+      roof.read_gbps, roof.read_kernel.c_str(), roof.peak_gflops, roof.peak_source.c_str(),
+      tier.c_str(), backend.num_threads(), roof.bf16_gflops, roof.fp32_gflops,
+      roof.gemm_source.c_str());
+  std::printf("%7s %12s %10s %10s %8s %10s %9s %9s %10s %10s %11s %9s   %s\n", "tokens", "tier",
+              "median ms", "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s", "bw ms",
+              "flop ms", "roofline ms", "x roof", "route / experts / shared / finish ms");
   for (const Row& r : rows)
     std::printf(
-        "%7lld %10.2f %10.0f %8d %10.3f %9.2f %9.1f %10.2f %10.2f %11.2f %9.2f   %.1f / %.1f / "
-        "%.1f / %.1f\n",
-        static_cast<long long>(r.tokens), r.median_ms, r.tokens / (r.median_ms / 1e3),
+        "%7lld %12s %10.2f %10.0f %8d %10.3f %9.2f %9.1f %10.2f %10.2f %11.2f %9.2f   %.1f / %.1f "
+        "/ %.1f / %.1f\n",
+        static_cast<long long>(r.tokens), tier.c_str(), r.median_ms, r.tokens / (r.median_ms / 1e3),
         r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.read_gbps, r.bw_ms, r.flop_ms,
         r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms,
         r.finish_ms);
@@ -192,23 +201,26 @@ absl::Status RunLayer(const LayerOptions& opt) {
     out << absl::StrFormat(
         "{\"model\": \"%s\", \"experts\": %d, \"top_k\": %d, \"expert_format\": \"%s\", \"dtype\": "
         "\"%s\", "
-        "\"backend\": \"%s\", \"read_gbps\": %.3f, \"bf16_gflops\": %.3f, \"fp32_gflops\": %.3f, "
-        "\"gemm\": \"%s\", \"rows\": [",
+        "\"backend\": \"%s\", \"tier\": \"%s\", \"read_gbps\": %.3f, \"read_kernel\": \"%s\", "
+        "\"peak_gflops\": %.3f, \"peak_source\": \"%s\", \"bf16_gflops\": %.3f, "
+        "\"fp32_gflops\": %.3f, \"gemm\": \"%s\", \"rows\": [",
         name, config.routing.num_experts, config.routing.top_k,
-        WeightFormatName(config.expert_format), opt.dtype, backend.name(), roof.read_gbps,
-        roof.bf16_gflops, roof.fp32_gflops, roof.gemm_source);
+        WeightFormatName(config.expert_format), opt.dtype, backend.name(), tier, roof.read_gbps,
+        roof.read_kernel, roof.peak_gflops, roof.peak_source, roof.bf16_gflops, roof.fp32_gflops,
+        roof.gemm_source);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       out << absl::StrFormat(
-          "%s{\"tokens\": %d, \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": %d, "
+          "%s{\"tokens\": %d, \"tier\": \"%s\", \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": "
+          "%d, "
           "\"experts_touched\": %d, \"read_gbps\": %.3f, "
           "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
           "\"roofline_ms\": %.4f, "
           "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
           "\"finish_ms\": %.3f}",
-          i ? ", " : "", r.tokens, r.median_ms, r.min_ms, r.runs, r.experts_touched, r.read_gbps,
-          r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms,
-          r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms);
+          i ? ", " : "", r.tokens, tier, r.median_ms, r.min_ms, r.runs, r.experts_touched,
+          r.read_gbps, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms,
+          r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms);
     }
     out << "]}\n";
   }
@@ -229,7 +241,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
       << "plot '" << data << "' u 1:2 w lp lw 2 pt 7 t 'measured (median)', "
       << "'" << data << "' u 1:3 w l lw 2 dt 2 t 'roofline max(bytes/BW, FLOPs/peak)', "
       << "'" << data << "' u 1:4 w l lw 1 dt 3 t 'weights / read BW', "
-      << "'" << data << "' u 1:5 w l lw 1 dt 4 t 'FLOPs / GEMM peak'\n";
+      << "'" << data << "' u 1:5 w l lw 1 dt 4 t 'FLOPs / compute peak'\n";
     g.close();
     if (std::system(absl::StrCat("gnuplot ", script).c_str()) != 0)
       std::fprintf(stderr, "moe-bench: gnuplot failed; data in %s\n", data.c_str());
@@ -316,16 +328,40 @@ int main(int argc, char** argv) {
   if (command == "roofline") {
     int threads = 0;
     double gb = 2.0;
-    moe::Flags flags("usage: moe-bench roofline [--threads N] [--buffer-gb G]");
+    bool gemm = true;
+    moe::Flags flags("usage: moe-bench roofline [--threads N] [--buffer-gb G] [--gemm=false]");
     flags.Int("threads", &threads, "threads for the bandwidth run (0 = all)");
     flags.Double("buffer-gb", &gb, "read buffer size");
+    flags.Bool("gemm", &gemm, "also time the GEMM library, for reference");
     flags.ParseOrExit(argc, argv, 2);
     moe::ThreadPool probe(threads);
-    const auto r = moe::bench::MeasureRoofline(probe.num_threads(), gb);
-    std::printf(
-        "streaming read: %.1f GB/s (%d threads)\nGEMM bf16: %.0f GFLOP/s\nGEMM fp32: %.0f "
-        "GFLOP/s\n(%s)\n",
-        r.read_gbps, probe.num_threads(), r.bf16_gflops, r.fp32_gflops, r.gemm_source.c_str());
+    std::string read_kernel;
+    moe::bench::StreamReadKernel(&read_kernel);
+    const double gbps = moe::bench::MeasureReadBandwidth(probe.num_threads(),
+                                                         static_cast<size_t>(gb * (1 << 30)), 7);
+    std::printf("streaming read: %.1f GB/s (%d threads, %s loads)\n", gbps, probe.num_threads(),
+                read_kernel.c_str());
+    // The compute peak of every tier this host runs, as moe-bench layer uses it.
+    for (const moe::cpu::CpuTier& tier : moe::cpu::CpuTiers()) {
+      if (!tier.host_supports()) {
+        std::printf("tier %-12s not on this host (needs %s)\n", tier.name, tier.features);
+        continue;
+      }
+      for (const bool bf16 : {true, false}) {
+        std::string what;
+        const double peak =
+            moe::bench::MeasureComputePeak(probe.num_threads(), tier.name, bf16, &what);
+        std::printf("tier %-12s %s mode: %.1f GFLOP/s (%s)\n", tier.name, bf16 ? "bf16" : "fp32",
+                    peak, what.c_str());
+      }
+    }
+    if (gemm) {
+      std::string source;
+      const double gemm_bf16 = moe::bench::MeasureGemmGflops(true, &source);
+      const double gemm_fp32 = moe::bench::MeasureGemmGflops(false, nullptr);
+      std::printf("GEMM library: %.0f GFLOP/s bf16, %.0f fp32 (%s)\n", gemm_bf16, gemm_fp32,
+                  source.c_str());
+    }
     return 0;
   }
   if (command == "kernels") {
@@ -377,6 +413,7 @@ int main(int argc, char** argv) {
                "also plot time and roofline against tokens to this PNG (gnuplot)");
   flags.String("label", &opt.label, "name of the run in the output");
   flags.Double("buffer-gb", &opt.buffer_gb, "bandwidth buffer size (much larger than the caches)");
+  flags.Bool("gemm", &opt.gemm, "also time the GEMM library, for reference (--gemm=false: skip)");
   flags.Require("checkpoint");
   flags.ParseOrExit(argc, argv, 2);
   if (absl::Status s = moe::RunLayer(opt); !s.ok()) {

@@ -1,5 +1,6 @@
-// The machine's own limits, measured in the same run as a benchmark: streaming read bandwidth
-// and the best GEMM throughput available (oneDNN when built with it, else our own kernels).
+// The machine's own limits, measured in the same run as a benchmark: streaming read bandwidth,
+// the peak of the multiply-add instruction the CPU kernel tier computes with (in registers, on
+// every thread), and for reference the best GEMM library throughput (oneDNN when built with it).
 #pragma once
 
 #include <cstddef>
@@ -15,13 +16,23 @@ namespace moe::bench {
 
 struct Roofline {
   double read_gbps = 0;     // multi-threaded streaming read over a buffer >> caches
-  double bf16_gflops = 0;   // bf16 x bf16 -> fp32 GEMM
-  double fp32_gflops = 0;   // fp32 GEMM
-  std::string gemm_source;  // "oneDNN 2.6 (avx512_core_bf16)", ...
+  std::string read_kernel;  // the read loop's ISA ("avx512", "avx2", "portable")
+  double peak_gflops = 0;   // the tier's multiply-add instruction, all threads
+  std::string peak_source;  // "fp32 FMA ymm", "VDPBF16PS zmm", ...
+  double bf16_gflops = 0;   // bf16 x bf16 -> fp32 GEMM (oneDNN; 0 without it)
+  double fp32_gflops = 0;   // fp32 GEMM (oneDNN; 0 without it)
+  std::string gemm_source;  // "oneDNN matmul ...", ...
 };
 
-// `threads`: worker threads for the bandwidth run (the GEMM library uses its own).
-Roofline MeasureRoofline(int threads, double buffer_gb = 2.0);
+// `threads`: worker threads for the bandwidth run and the compute probe (the GEMM library
+// uses its own). `tier`: the CPU kernel tier whose arithmetic sets the compute peak.
+// `gemm`: also time the GEMM library, for reference (seconds of large GEMMs).
+Roofline MeasureRoofline(int threads, double buffer_gb, const std::string& tier, bool bf16_mode,
+                         bool gemm = true);
+
+// The best GFLOP/s of the tier's multiply-add loop run on `threads` threads at once (registers
+// only); `what` gets the instruction.
+double MeasureComputePeak(int threads, const std::string& tier, bool bf16_mode, std::string* what);
 
 // A streaming-read probe that keeps its buffer, so that a benchmark can measure the bandwidth
 // again next to each of its runs (on a shared host it changes from minute to minute).
