@@ -219,6 +219,7 @@ std::string InfoText(const moe::v1::ModelInfo& info) {
   line("formats", absl::StrCat("experts ", info.expert_format(), ", dense ", info.dense_format()));
   line("precision", info.precision());
   line("transport", info.transport());
+  if (!info.gateway_backend().empty()) line("gateway backend", info.gateway_backend());
   line("max tokens", absl::StrCat(info.max_tokens_per_step(), " per step, ",
                                   info.max_request_tokens(), " per request"));
   line("ranks", absl::StrCat(info.ranks_size()));

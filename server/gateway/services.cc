@@ -182,6 +182,7 @@ grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext*, const moe::v1::G
   info->set_max_tokens_per_step(gateway_->options().batcher.max_tokens_per_step);
   info->set_max_request_tokens(gateway_->options().max_request_tokens);
   info->set_checkpoint(gateway_->options().checkpoint);
+  info->set_gateway_backend(gateway_->backend_name());
   const auto ranks = gateway_->ranks();
   const ExpertPlacement& placement = gateway_->engine().placement();
   for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {

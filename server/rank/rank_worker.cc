@@ -128,10 +128,12 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
   const absl::Time t0 = absl::Now();
   RETURN_IF_ERROR(LoadShards(*registration));
   std::fprintf(
-      stderr, "moe-rank %d: %zu layers, %s experts each, %.2f GB of weights, ready in %.1f s\n",
+      stderr,
+      "moe-rank %d: %zu layers, %s experts each, %.2f GB of weights, backend %s, ready in %.1f s\n",
       rank_.load(), shards_.size(),
       shards_.empty() ? "0" : absl::StrCat(shards_.begin()->second->expert_ids().size()).c_str(),
-      weight_bytes_.load() / 1e9, absl::ToDoubleSeconds(absl::Now() - t0));
+      weight_bytes_.load() / 1e9, backend_->name().c_str(),
+      absl::ToDoubleSeconds(absl::Now() - t0));
   std::fflush(stderr);
   if (observer_ != nullptr) observer_->OnRegistered(rank_.load(), weight_bytes_.load());
   return absl::OkStatus();

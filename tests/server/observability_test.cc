@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/tiers.h"
 #include "model/dispatch.h"
 #include "moe/v1/moe.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -265,6 +266,13 @@ TEST(ObservabilityTest, SkewedRouterQuantileBalancingAndEplbPlacement) {
           cluster.stub().GetModelInfo(&info_context, moe::v1::GetModelInfoRequest(), &info).ok());
       ASSERT_EQ(info.bias_overrides_size(), 1);
       EXPECT_EQ(info.bias_overrides(0).source(), "test: quantile-balancing");
+      // The gateway and every rank name the CPU kernel tier they run (the best on this host).
+      auto tier = cpu::DefaultCpuTier();
+      ASSERT_TRUE(tier.ok()) << tier.status();
+      const std::string expected = absl::StrCat("cpu(", (*tier)->name, ", ");
+      EXPECT_EQ(info.gateway_backend().rfind(expected, 0), 0u) << info.gateway_backend();
+      for (const moe::v1::RankInfo& r : info.ranks())
+        EXPECT_EQ(r.backend().rfind(expected, 0), 0u) << r.backend();
       RunWorkload(cluster, workload, 1, nullptr);
       moe::v1::LoadBalanceReport after;
       Report(cluster, 1, &after);
