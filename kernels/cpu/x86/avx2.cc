@@ -19,12 +19,14 @@
 //    vpshufb per lane looks 16 nibbles up in a 16-entry table of that block's scaled bf16 low
 //    bytes, one more in its high bytes (tables for all 256 E8M0 scales, built by the scalar
 //    decoder once).
-//  - FP8 e4m3: one vpshufb puts each byte into the high byte of an fp16 word in the order the
-//    split layout needs; an arithmetic shift and a mask turn it into the fp16 of value * 2^-8
-//    (exact, subnormals included); F16C's vcvtph2ps widens it exactly; * 256 is exact. No
-//    gathers. The one NaN code (0x7F) would widen to 480, so a group holding it is fixed up.
+//  - FP8 e4m3: each byte moves into the high byte of an fp16 word (a shift; the odd bytes are
+//    there already), an arithmetic shift and a mask make it the fp16 of value * 2^-8 (exact,
+//    subnormals included), F16C's vcvtph2ps widens it exactly, * 256 is exact; a quadword
+//    permute puts the split layout's lanes together. No gathers. The one NaN code (S.1111.111)
+//    would widen to 480: decode to scratch fixes it up, the in-register path redoes a row that
+//    holds one.
 // Kernel shapes: for few operand rows the weights are decoded in registers and consumed at once
-// (MXFP4 up to 4 operand rows, FP8 up to 4 whose split rows fit L2 well, bf16 up to 2); for more,
+// (MXFP4 up to 4 operand rows, FP8 up to 6, bf16 up to 2); for more,
 // groups of weight rows are decoded into the per-thread scratch and walked in L1-sized K slices
 // by 4 x 3 register tiles (3 x 3 with FP8 block partials) over operand rows widened once per
 // call.
