@@ -1,5 +1,6 @@
 #include "transport/grpc_transport.h"
 
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -52,7 +53,9 @@ absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t widt
 
 // ---- gateway side ---------------------------------------------------------------------------
 
-GrpcGatewayTransport::GrpcGatewayTransport(int num_ranks, Backend* backend) : backend_(backend) {
+GrpcGatewayTransport::GrpcGatewayTransport(int num_ranks, Backend* backend,
+                                           const LivenessOptions& liveness)
+    : backend_(backend), liveness_(liveness) {
   for (int r = 0; r < num_ranks; ++r) channels_.push_back(std::make_unique<Channel>());
 }
 
@@ -61,20 +64,31 @@ void GrpcGatewayTransport::SetRankStateCallback(std::function<void(int, bool)> c
   on_rank_state_ = std::move(callback);
 }
 
+bool GrpcGatewayTransport::UpLocked(int rank) const {
+  return rank >= 0 && rank < static_cast<int>(channels_.size()) &&
+         channels_[rank]->stream != nullptr && !channels_[rank]->silent;
+}
+
+void GrpcGatewayTransport::MarkDown(Channel& channel, std::string reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (channel.down_reason.empty()) channel.down_reason = std::move(reason);
+  cv_.notify_all();  // the steps waiting on this rank fail now
+}
+
 bool GrpcGatewayTransport::IsUp(int rank) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return rank >= 0 && rank < static_cast<int>(channels_.size()) &&
-         channels_[rank]->stream != nullptr;
+  return UpLocked(rank);
 }
 
 int GrpcGatewayTransport::num_up() const {
   std::lock_guard<std::mutex> lock(mu_);
   int n = 0;
-  for (const auto& c : channels_) n += c->stream != nullptr;
+  for (int r = 0; r < static_cast<int>(channels_.size()); ++r) n += UpLocked(r);
   return n;
 }
 
-absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* stream) {
+absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* stream,
+                                             grpc::ServerContext* context) {
   if (rank < 0 || rank >= static_cast<int>(channels_.size()))
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " outside [0, ", channels_.size(), ")"));
@@ -86,28 +100,60 @@ absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* str
       return absl::AlreadyExistsError(
           absl::StrCat("rank ", rank, " already has an exchange stream"));
     channel.stream = stream;
+    channel.silent = false;
+    channel.down_reason.clear();
     notify = on_rank_state_;
   }
   if (notify) notify(rank, true);
 
-  RankToGateway message;
-  while (stream->Read(&message)) {
-    if (!message.has_result()) continue;
-    std::lock_guard<std::mutex> lock(mu_);
-    const uint64_t step = message.result().step_id();
-    if (abandoned_.count(step)) continue;
-    results_[{step, rank}] = std::move(*message.mutable_result());
-    cv_.notify_all();
+  {
+    // A rank that sends nothing, not even a heartbeat, is marked down at once and its stream
+    // cancelled (which also unblocks a Write stuck on its full flow-control window).
+    StreamLiveness liveness(
+        liveness_,
+        [&channel, stream] {
+          std::unique_lock<std::mutex> write_lock(channel.write_mu, std::try_to_lock);
+          if (!write_lock.owns_lock()) return;  // a step is being written: proof enough
+          GatewayToRank heartbeat;
+          heartbeat.mutable_heartbeat();
+          stream->Write(heartbeat);
+        },
+        [this, &channel, context, rank] {
+          std::function<void(int, bool)> on_down;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            channel.silent = true;
+            on_down = on_rank_state_;
+          }
+          const int64_t ms = absl::ToInt64Milliseconds(liveness_.peer_timeout);
+          std::fprintf(stderr, "moe-gateway: rank %d sent nothing for %lld ms: marked down\n", rank,
+                       static_cast<long long>(ms));
+          if (on_down) on_down(rank, false);
+          MarkDown(channel, absl::StrCat("sent nothing for ", ms, " ms (hung or cut off)"));
+          context->TryCancel();
+        });
+    RankToGateway message;
+    while (stream->Read(&message)) {
+      liveness.Heard();
+      if (!message.has_result()) continue;
+      std::lock_guard<std::mutex> lock(mu_);
+      const uint64_t step = message.result().step_id();
+      if (abandoned_.count(step)) continue;
+      results_[{step, rank}] = std::move(*message.mutable_result());
+      cv_.notify_all();
+    }
   }
   // The stream ended: wait out any Write in progress, then mark the rank down.
   {
     std::lock_guard<std::mutex> write_lock(channel.write_mu);
     std::lock_guard<std::mutex> lock(mu_);
+    const bool was_silent = channel.silent;
     channel.stream = nullptr;
-    notify = on_rank_state_;
-    cv_.notify_all();
+    channel.silent = false;
+    notify = was_silent ? nullptr : on_rank_state_;  // a silent rank was reported down already
   }
   if (notify) notify(rank, false);
+  MarkDown(channel, "went down");
   return absl::OkStatus();
 }
 
@@ -142,7 +188,7 @@ absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
     ExchangeServerStream* stream;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stream = channel.stream;
+      stream = UpLocked(part.rank) ? channel.stream : nullptr;
     }
     if (stream == nullptr)
       return absl::UnavailableError(absl::StrCat("rank ", part.rank, " is down"));
@@ -169,9 +215,10 @@ absl::Status GrpcGatewayTransport::Collect(
           results_.erase(it);
           break;
         }
-        if (channels_[rank]->stream == nullptr)
-          return absl::UnavailableError(
-              absl::StrCat("rank ", rank, " went down during step ", dispatch.step_id));
+        const Channel& channel = *channels_[rank];
+        if (!channel.down_reason.empty())
+          return absl::UnavailableError(absl::StrCat("rank ", rank, " ", channel.down_reason,
+                                                     " during step ", dispatch.step_id));
         const absl::Duration left = deadline - absl::Now();
         if (left <= absl::ZeroDuration())
           return absl::DeadlineExceededError(absl::StrCat(
@@ -230,22 +277,75 @@ void GrpcGatewayTransport::Abandon(uint64_t step_id) {
 // ---- rank side ------------------------------------------------------------------------------
 
 GrpcRankTransport::GrpcRankTransport(std::unique_ptr<grpc::ClientContext> context,
-                                     std::unique_ptr<ExchangeClientStream> stream, Backend* backend)
-    : context_(std::move(context)), stream_(std::move(stream)), backend_(backend) {}
+                                     std::unique_ptr<ExchangeClientStream> stream, Backend* backend,
+                                     const LivenessOptions& liveness)
+    : context_(std::move(context)),
+      stream_(std::move(stream)),
+      backend_(backend),
+      liveness_options_(liveness) {
+  liveness_ = std::make_unique<StreamLiveness>(
+      liveness,
+      [this] {
+        std::unique_lock<std::mutex> write_lock(write_mu_, std::try_to_lock);
+        if (!write_lock.owns_lock() || stream_closed_) return;  // a reply is being written
+        RankToGateway heartbeat;
+        heartbeat.mutable_heartbeat();
+        stream_->Write(heartbeat);
+      },
+      [this] { context_->TryCancel(); });
+  reader_ = std::thread([this] { ReadLoop(); });
+}
 
-GrpcRankTransport::~GrpcRankTransport() { Cancel(); }
+GrpcRankTransport::~GrpcRankTransport() {
+  Cancel();
+  reader_.join();
+  liveness_.reset();  // its threads write to stream_: stop them before the members go
+}
 
 void GrpcRankTransport::Cancel() {
   if (context_) context_->TryCancel();
 }
 
+// Reads all the time, computing or not, so that the gateway's heartbeats are heard during a
+// long step (and its writes never wait on this rank's flow-control window).
+void GrpcRankTransport::ReadLoop() {
+  GatewayToRank message;
+  while (stream_->Read(&message)) {
+    liveness_->Heard();
+    if (message.has_heartbeat()) continue;
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    inbox_.push_back(std::move(message));
+    inbox_cv_.notify_one();
+  }
+  grpc::Status s;
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);  // no Write may overlap Finish
+    stream_closed_ = true;
+    s = stream_->Finish();
+  }
+  absl::Status end;
+  if (liveness_->silent()) {
+    end = absl::UnavailableError(absl::StrCat(
+        "the gateway sent nothing for ", absl::ToInt64Milliseconds(liveness_options_.peer_timeout),
+        " ms; exchange closed"));
+  } else if (s.ok() || s.error_code() == grpc::StatusCode::CANCELLED) {
+    end = absl::CancelledError("the gateway closed the exchange");
+  } else {
+    end = absl::UnavailableError(absl::StrCat("exchange stream broke: ", s.error_message()));
+  }
+  std::lock_guard<std::mutex> lock(inbox_mu_);
+  stream_end_ = std::move(end);
+  inbox_cv_.notify_one();
+}
+
 absl::StatusOr<ReceivedStep> GrpcRankTransport::Receive() {
   GatewayToRank message;
-  if (!stream_->Read(&message)) {
-    const grpc::Status s = stream_->Finish();
-    if (s.ok() || s.error_code() == grpc::StatusCode::CANCELLED)
-      return absl::CancelledError("the gateway closed the exchange");
-    return absl::UnavailableError(absl::StrCat("exchange stream broke: ", s.error_message()));
+  {
+    std::unique_lock<std::mutex> lock(inbox_mu_);
+    inbox_cv_.wait(lock, [this] { return !inbox_.empty() || !stream_end_.ok(); });
+    if (inbox_.empty()) return stream_end_;
+    message = std::move(inbox_.front());
+    inbox_.pop_front();
   }
   if (!message.has_step()) return absl::InternalError("unexpected message on the exchange stream");
   const auto& step = message.step();
@@ -301,7 +401,8 @@ absl::Status GrpcRankTransport::Reply(uint64_t step_id,
         std::memcpy(out->data() + r * p.cols * sizeof(double), p.Row(r), p.cols * sizeof(double));
     }
   }
-  if (!stream_->Write(message))
+  std::lock_guard<std::mutex> write_lock(write_mu_);
+  if (stream_closed_ || !stream_->Write(message))
     return absl::UnavailableError("exchange stream broke while replying");
   return absl::OkStatus();
 }

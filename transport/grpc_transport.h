@@ -6,19 +6,25 @@
 //   gateway -> rank r  StepRequest: rows [num_rows, width] as bf16 (bf16 mode, exact: the
 //                      rows are bf16 values) or fp32, plus per row its local experts and gates.
 //   rank r -> gateway  StepResult: fp64 partial sums [num_rows, width], or an error code.
+// Both sides also send a Heartbeat every LivenessOptions::heartbeat; a rank silent for
+// peer_timeout is marked down (its waiting steps fail UNAVAILABLE) and its stream cancelled, and
+// a rank that hears nothing from the gateway for as long gives up on the stream.
 #pragma once
 
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "grpcpp/grpcpp.h"
 #include "kernels/backend.h"
 #include "moe/v1/internal.grpc.pb.h"
+#include "transport/stream_liveness.h"
 #include "transport/transport.h"
 
 namespace moe {
@@ -36,7 +42,7 @@ absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t widt
 class GrpcGatewayTransport final : public GatewayTransport {
  public:
   // `backend` is the gateway's: rows are read from, partials written to, its memory.
-  GrpcGatewayTransport(int num_ranks, Backend* backend);
+  GrpcGatewayTransport(int num_ranks, Backend* backend, const LivenessOptions& liveness = {});
 
   std::string name() const override { return "grpc"; }
   absl::Status Send(const StepDispatch& dispatch) override;
@@ -45,9 +51,10 @@ class GrpcGatewayTransport final : public GatewayTransport {
                                                         const RankStepStats&)>& consume) override;
   void Abandon(uint64_t step_id) override;
 
-  // Runs rank `rank`'s side of the exchange on `stream` (the Exchange handler's thread) until
-  // the stream ends. The rank counts as up meanwhile.
-  absl::Status ServeRank(int rank, ExchangeServerStream* stream);
+  // Runs rank `rank`'s side of the exchange on `stream` (the Exchange handler's thread, whose
+  // `context` it cancels when the rank falls silent) until the stream ends. The rank counts as
+  // up meanwhile, unless it fell silent.
+  absl::Status ServeRank(int rank, ExchangeServerStream* stream, grpc::ServerContext* context);
   bool IsUp(int rank) const;
   int num_up() const;
   // Called (outside locks) whenever a rank goes up or down.
@@ -57,8 +64,16 @@ class GrpcGatewayTransport final : public GatewayTransport {
   struct Channel {
     std::mutex write_mu;                     // one Write at a time per stream
     ExchangeServerStream* stream = nullptr;  // guarded by mu_
+    bool silent = false;                     // guarded by mu_: heard nothing for peer_timeout
+    // Guarded by mu_; set once the rank was reported down (so a caller that sees its step fail
+    // also sees health updated): why, for the steps that waited on it. Empty while up.
+    std::string down_reason;
   };
+  bool UpLocked(int rank) const;  // mu_ held
+  // After the rank state callback ran: fails the steps waiting on the channel with `reason`.
+  void MarkDown(Channel& channel, std::string reason);
   Backend* backend_;
+  const LivenessOptions liveness_;
   std::vector<std::unique_ptr<Channel>> channels_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -73,7 +88,8 @@ class GrpcRankTransport final : public RankTransport {
  public:
   // `stream` is an open Exchange stream on which the rank already sent its hello.
   GrpcRankTransport(std::unique_ptr<grpc::ClientContext> context,
-                    std::unique_ptr<ExchangeClientStream> stream, Backend* backend);
+                    std::unique_ptr<ExchangeClientStream> stream, Backend* backend,
+                    const LivenessOptions& liveness = {});
   ~GrpcRankTransport() override;
 
   std::string name() const override { return "grpc"; }
@@ -84,12 +100,23 @@ class GrpcRankTransport final : public RankTransport {
   void Cancel();
 
  private:
+  void ReadLoop();
+
   std::unique_ptr<grpc::ClientContext> context_;
   std::unique_ptr<ExchangeClientStream> stream_;
   Backend* backend_;
+  const LivenessOptions liveness_options_;
+  std::mutex write_mu_;         // Reply, heartbeats and the final Finish
+  bool stream_closed_ = false;  // guarded by write_mu_
+  std::mutex inbox_mu_;
+  std::condition_variable inbox_cv_;
+  std::deque<moe::v1::internal::GatewayToRank> inbox_;  // steps read ahead by reader_
+  absl::Status stream_end_;                             // set (not OK) once the stream ended
   std::unique_ptr<DeviceBuffer> rows_;
   std::vector<float> host_rows_;
   std::vector<double> host_partial_;
+  std::unique_ptr<StreamLiveness> liveness_;  // its threads use the members above
+  std::thread reader_;
 };
 
 }  // namespace moe

@@ -72,8 +72,8 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   ASSIGN_OR_RETURN(gateway->backend_, CreateBackend(options.backend, options.device, options.cpu));
   // The gRPC exchange streams always exist: they carry the steps (transport grpc) or serve as
   // the ranks' liveness channel (transport nccl, whose communicator forms once all joined).
-  gateway->transport_ =
-      std::make_unique<GrpcGatewayTransport>(options.num_ranks, gateway->backend_.get());
+  gateway->transport_ = std::make_unique<GrpcGatewayTransport>(
+      options.num_ranks, gateway->backend_.get(), options.liveness);
   GatewayTransport* steps = gateway->transport_.get();
   if (options.transport == "nccl") {
     gateway->nccl_ = std::make_shared<DeferredTransport>("nccl");

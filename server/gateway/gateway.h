@@ -51,6 +51,9 @@ struct GatewayOptions {
   int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
   MetricsOptions metrics;
   BalanceOptions balance;  // Quantile Balancing window, bias override permission
+  // Heartbeats on every rank's exchange stream; a rank silent for peer_timeout is marked down.
+  // Ranks get both values at registration.
+  LivenessOptions liveness;
 };
 
 // What a rank told us about itself (model info).

@@ -28,6 +28,7 @@ absl::StatusOr<std::unique_ptr<GatewayEngine>> GatewayEngine::Create(
     auto state = std::make_unique<LayerState>();
     ASSIGN_OR_RETURN(GatewayLayerWeights weights, checkpoint.LoadGatewayLayer(layer));
     ASSIGN_OR_RETURN(state->math, GatewayLayer::Create(engine->config_, weights, backend));
+    state->bias = state->math->router_bias();
     state->workspace = std::make_unique<Workspace>(backend);
     engine->layers_[layer] = std::move(state);
   }
@@ -48,16 +49,21 @@ GatewayLayer* GatewayEngine::layer(int index) {
 std::vector<float> GatewayEngine::RouterBias(int layer) {
   auto it = layers_.find(layer);
   if (it == layers_.end()) return {};
-  std::lock_guard<std::mutex> lock(it->second->mu);
-  return it->second->math->router_bias();
+  std::lock_guard<std::mutex> lock(it->second->bias_mu);
+  return it->second->bias;
 }
 
 absl::Status GatewayEngine::SetRouterBias(int layer, std::vector<float> bias) {
   auto it = layers_.find(layer);
   if (it == layers_.end())
     return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
-  std::lock_guard<std::mutex> lock(it->second->mu);
-  return it->second->math->SetRouterBias(std::move(bias));
+  if (static_cast<int>(bias.size()) != config_.routing.num_experts)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router bias has ", bias.size(), " entries, expected ", config_.routing.num_experts));
+  std::lock_guard<std::mutex> lock(it->second->bias_mu);
+  it->second->bias = std::move(bias);
+  it->second->bias_pending = true;
+  return absl::OkStatus();
 }
 
 absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, absl::Time deadline,
@@ -67,6 +73,13 @@ absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, a
     return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
   LayerState& state = *it->second;
   std::lock_guard<std::mutex> lock(state.mu);
+  {
+    std::lock_guard<std::mutex> bias_lock(state.bias_mu);
+    if (state.bias_pending) {
+      RETURN_IF_ERROR(state.math->SetRouterBias(state.bias));
+      state.bias_pending = false;
+    }
+  }
   Workspace& ws = *state.workspace;
   const int64_t H = config_.hidden_size, D = config_.expert_input_size();
   const int R = placement_.num_ranks();

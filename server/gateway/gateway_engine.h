@@ -56,7 +56,9 @@ class GatewayEngine {
   std::vector<int> layers() const;
   bool Serves(int layer) const { return layers_.count(layer) > 0; }
   GatewayLayer* layer(int index);
-  // The router's selection bias of a layer, and replacing it between steps.
+  // The router's selection bias of a layer (the newest, installed or pending), and replacing it:
+  // checked at once, installed by the layer's next step before it routes. Neither waits for a
+  // step in flight, so diagnostics never block behind a slow or stuck rank.
   std::vector<float> RouterBias(int layer);
   absl::Status SetRouterBias(int layer, std::vector<float> bias);
   void SetObserver(StepObserver* observer) { observer_ = observer; }
@@ -70,7 +72,10 @@ class GatewayEngine {
   struct LayerState {
     std::unique_ptr<GatewayLayer> math;
     std::unique_ptr<Workspace> workspace;
-    std::mutex mu;
+    std::mutex mu;  // held by a step from start to end
+    std::mutex bias_mu;
+    std::vector<float> bias;    // guarded by bias_mu: the newest bias
+    bool bias_pending = false;  // guarded by bias_mu: `bias` not installed in `math` yet
   };
   GatewayEngine() = default;
 

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   std::string layers, dtype = "bf16";
   int64_t max_wait_us = 500;
   int64_t step_timeout_ms = 60000;
+  int64_t heartbeat_ms = 500, rank_timeout_ms = 3000;
   moe::Flags flags(
       "usage: moe-gateway --checkpoint DIR --ranks N [--port P] [options]\n\n"
       "Serves moe.v1.MoeService (Forward, ForwardStream, GetModelInfo), grpc.health.v1 and server\n"
@@ -47,6 +48,11 @@ int main(int argc, char** argv) {
   flags.Int("max-queued-tokens", &options.batcher.max_queued_tokens,
             "queue limit (RESOURCE_EXHAUSTED beyond)");
   flags.Int("step-timeout-ms", &step_timeout_ms, "bound on one step's exchange with the ranks");
+  flags.Int("heartbeat-ms", &heartbeat_ms,
+            "heartbeat interval on each rank's exchange stream (ranks use the same)");
+  flags.Int("rank-timeout-ms", &rank_timeout_ms,
+            "a rank that sends nothing for this long (hung, cut off) is marked down; ranks give "
+            "up on a gateway as silent as long");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
   flags.Int("metrics-port", &options.metrics_port,
             "Prometheus /metrics port (-1 = off, 0 = any free port)");
@@ -81,6 +87,14 @@ int main(int argc, char** argv) {
   options.batcher.max_wait = absl::Microseconds(max_wait_us);
   options.balance.refresh = absl::Seconds(qb_refresh_s);
   options.batcher.step_timeout = absl::Milliseconds(step_timeout_ms);
+  if (heartbeat_ms <= 0 || rank_timeout_ms <= heartbeat_ms) {
+    std::fprintf(stderr,
+                 "moe-gateway: need 0 < --heartbeat-ms < --rank-timeout-ms (got %lld, %lld)\n",
+                 static_cast<long long>(heartbeat_ms), static_cast<long long>(rank_timeout_ms));
+    return 2;
+  }
+  options.liveness.heartbeat = absl::Milliseconds(heartbeat_ms);
+  options.liveness.peer_timeout = absl::Milliseconds(rank_timeout_ms);
 
   auto gateway = moe::Gateway::Create(options);
   if (!gateway.ok()) {

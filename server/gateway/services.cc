@@ -259,6 +259,10 @@ grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
   }
   response->set_max_tokens_per_step(gateway_->options().batcher.max_tokens_per_step);
   response->set_session(gateway_->session());
+  response->set_heartbeat_ms(
+      static_cast<int32_t>(absl::ToInt64Milliseconds(gateway_->options().liveness.heartbeat)));
+  response->set_peer_timeout_ms(
+      static_cast<int32_t>(absl::ToInt64Milliseconds(gateway_->options().liveness.peer_timeout)));
   return grpc::Status::OK;
 }
 
@@ -283,7 +287,7 @@ grpc::Status RankControlServiceImpl::Exchange(grpc::ServerContext* context,
   record.weight_bytes = hello.weight_bytes();
   record.backend = hello.backend();
   gateway_->UpdateRank(hello.rank(), record);
-  return ToGrpcStatus(gateway_->grpc_transport().ServeRank(hello.rank(), stream));
+  return ToGrpcStatus(gateway_->grpc_transport().ServeRank(hello.rank(), stream, context));
 }
 
 }  // namespace moe

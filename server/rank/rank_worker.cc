@@ -153,9 +153,16 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
     ~ClearCancel() { self->SetCancel(nullptr); }
   } clear_cancel{this};
 
+  // The gateway's liveness settings (older gateways send none: the defaults).
+  LivenessOptions liveness;
+  if (registration.heartbeat_ms() > 0)
+    liveness.heartbeat = absl::Milliseconds(registration.heartbeat_ms());
+  if (registration.peer_timeout_ms() > 0)
+    liveness.peer_timeout = absl::Milliseconds(registration.peer_timeout_ms());
+
   if (registration.transport() == "grpc") {
     if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
-    GrpcRankTransport transport(std::move(context), std::move(stream), backend_.get());
+    GrpcRankTransport transport(std::move(context), std::move(stream), backend_.get(), liveness);
     SetCancel([&transport] { transport.Cancel(); });
     if (stop_) return absl::CancelledError("stopping");
     return ServeSteps(transport);
@@ -175,10 +182,22 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
     raw_context->TryCancel();
   });
   if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
-  std::thread watcher([&stream, cancel] {
+  // Heartbeats out (the only writes after the hello); a gateway silent for the timeout counts
+  // as gone, like a broken stream.
+  StreamLiveness stream_liveness(
+      liveness,
+      [&stream] {
+        moe::v1::internal::RankToGateway heartbeat;
+        heartbeat.mutable_heartbeat();
+        stream->Write(heartbeat);
+      },
+      [cancel, raw_context] {
+        cancel();
+        raw_context->TryCancel();
+      });
+  std::thread watcher([&stream, &stream_liveness, cancel] {
     moe::v1::internal::GatewayToRank ignored;
-    while (stream->Read(&ignored)) {
-    }
+    while (stream->Read(&ignored)) stream_liveness.Heard();
     cancel();  // the gateway went away: leave the NCCL group
   });
   absl::Status status = stop_ ? absl::CancelledError("stopping") : ServeSteps(*session.transport);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
@@ -97,6 +98,40 @@ double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
     den += static_cast<double>(b[i]) * b[i];
   }
   return std::sqrt(num / den);
+}
+
+// A Forward call on a thread of its own, timed: for calls that wait on a failing rank.
+class BackgroundCall {
+ public:
+  BackgroundCall(LocalCluster& cluster, int layer, const std::vector<float>& x,
+                 std::vector<int64_t> shape, absl::Duration timeout)
+      : thread_([this, &cluster, layer, &x, shape, timeout] {
+          const absl::Time t0 = absl::Now();
+          result_ = Call(cluster.stub(), layer, x, shape, timeout);
+          elapsed_ = absl::Now() - t0;
+        }) {}
+  // Waits for the call; returns its result (elapsed() is then valid).
+  const CallResult& Join() {
+    thread_.join();
+    return result_;
+  }
+  absl::Duration elapsed() const { return elapsed_; }
+
+ private:
+  CallResult result_;
+  absl::Duration elapsed_;
+  std::thread thread_;  // last: it uses the members above
+};
+
+// With a rank down, a new call fails fast, naming how many ranks are up.
+void ExpectFastUnavailable(LocalCluster& cluster, const std::vector<float>& x,
+                           std::vector<int64_t> shape, const std::string& ranks_up) {
+  const absl::Time t0 = absl::Now();
+  CallResult after = Call(cluster.stub(), 1, x, shape, absl::Seconds(20));
+  EXPECT_EQ(after.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(after.status.error_message().find(ranks_up), std::string::npos)
+      << after.status.error_message();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
 }
 
 class ServiceMatchesInProcess : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
@@ -258,28 +293,131 @@ TEST(ServiceTest, RankKilledMidRunFailsCallsWithUnavailableWithoutHanging) {
   LocalCluster cluster(ClusterOptions{dir, 2, {}, {"--debug-step-delay-ms", "1500"}});
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   const auto x = RandomInput(64, 640, 3);  // 64 tokens choose experts on both ranks
-  CallResult in_flight;
-  absl::Duration in_flight_time;
-  std::thread caller([&] {
-    const absl::Time t0 = absl::Now();
-    in_flight = Call(cluster.stub(), 1, x, {64, 640}, absl::Seconds(20));
-    in_flight_time = absl::Now() - t0;
-  });
+  BackgroundCall call(cluster, 1, x, {64, 640}, absl::Seconds(20));
   absl::SleepFor(absl::Milliseconds(400));  // the step is now waiting on the ranks
   cluster.rank(1).Signal(SIGKILL);
-  caller.join();
+  const CallResult& in_flight = call.Join();
   EXPECT_EQ(in_flight.status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << in_flight.status.error_message();
-  EXPECT_LT(in_flight_time, absl::Seconds(5)) << "well within its 20 s deadline";
+  EXPECT_LT(call.elapsed(), absl::Seconds(5)) << "well within its 20 s deadline";
 
   // New calls fail fast while the rank is down; the gateway still answers.
-  const absl::Time t1 = absl::Now();
-  CallResult after = Call(cluster.stub(), 1, x, {64, 640}, absl::Seconds(20));
-  EXPECT_EQ(after.status.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_NE(after.status.error_message().find("1 of 2 ranks up"), std::string::npos)
-      << after.status.error_message();
-  EXPECT_LT(absl::Now() - t1, absl::Seconds(2));
+  ExpectFastUnavailable(cluster, x, {64, 640}, "1 of 2 ranks up");
   EXPECT_FALSE(cluster.Serving());
+  EXPECT_TRUE(cluster.gateway().running());
+}
+
+// Liveness: heartbeats every 100 ms, a rank silent for 1 s is marked down.
+ClusterOptions FastLiveness(const std::string& dir, std::vector<std::string> rank_args = {}) {
+  return ClusterOptions{
+      dir,
+      2,
+      {"--heartbeat-ms", "100", "--rank-timeout-ms", "1000", "--allow-bias-override"},
+      std::move(rank_args)};
+}
+
+// Polls health until NOT_SERVING; returns how long that took, or `limit` if it never did.
+absl::Duration TimeUntilNotServing(LocalCluster& cluster, absl::Duration limit) {
+  const absl::Time t0 = absl::Now();
+  while (absl::Now() - t0 < limit) {
+    if (!cluster.Serving()) return absl::Now() - t0;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return limit;
+}
+
+TEST(ServiceTest, ARankComputingLongerThanTheTimeoutIsNotHung) {
+  // Heartbeats go on while a rank computes: a 1.5 s step against a 1 s timeout succeeds.
+  LocalCluster cluster(FastLiveness(TestCheckpoint("k3-mini"), {"--debug-step-delay-ms", "1500"}));
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  const auto x = RandomInput(64, 640, 21);
+  CallResult got = Call(cluster.stub(), 1, x, {64, 640}, absl::Seconds(20));
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message() << cluster.Logs();
+  EXPECT_EQ(got.output, InProcess(TestCheckpoint("k3-mini"), 1).Forward(x));
+  EXPECT_TRUE(cluster.Serving());
+  EXPECT_EQ(cluster.gateway().Log().find("marked down"), std::string::npos) << cluster.Logs();
+}
+
+TEST(ServiceTest, AnIdleHungRankIsMarkedDownWithinTheTimeout) {
+  LocalCluster cluster(FastLiveness(TestCheckpoint("k3-mini")));
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  absl::SleepFor(absl::Milliseconds(500));  // a few heartbeats have gone by
+  ASSERT_TRUE(cluster.Serving());
+  cluster.rank(1).Signal(SIGSTOP);
+  const absl::Duration detected = TimeUntilNotServing(cluster, absl::Seconds(10));
+  EXPECT_LT(detected, absl::Seconds(2)) << "rank-timeout (1 s) + 1 s\n" << cluster.Logs();
+  EXPECT_GE(detected, absl::Milliseconds(700)) << "not before the timeout";
+  EXPECT_FALSE(cluster.gateway().WaitForLog("rank 1 sent nothing", absl::Seconds(1)).empty());
+
+  // Released, the rank finds its stream cancelled and (--exit-on-disconnect) exits.
+  cluster.rank(1).Signal(SIGCONT);
+  const int status = cluster.rank(1).Wait(absl::Seconds(10));
+  EXPECT_NE(status, -1) << "the rank did not exit after its stream was cut\n" << cluster.Logs();
+  EXPECT_TRUE(cluster.gateway().running());
+}
+
+TEST(ServiceTest, AHungRankFailsItsStepsAndNeverBlocksDiagnostics) {
+  const std::string dir = TestCheckpoint("k3-mini");
+  LocalCluster cluster(FastLiveness(dir));
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  const auto x = RandomInput(64, 640, 5);  // 64 tokens choose experts on both ranks
+  ASSERT_TRUE(Call(cluster.stub(), 1, x, {64, 640}).status.ok()) << cluster.Logs();
+
+  cluster.rank(1).Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  BackgroundCall call(cluster, 1, x, {64, 640}, absl::Seconds(20));
+
+  // While that step waits on the stopped rank, diagnostics answer within short deadlines.
+  absl::SleepFor(absl::Milliseconds(300));
+  auto channel = grpc::CreateChannel(cluster.target(), grpc::InsecureChannelCredentials());
+  auto diagnostics = moe::v1::MoeDiagnostics::NewStub(channel);
+  auto service = moe::v1::MoeService::NewStub(channel);
+  auto deadline = [](grpc::ClientContext* c) {
+    c->set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+  };
+  {
+    grpc::ClientContext c;
+    deadline(&c);
+    moe::v1::GetLoadBalanceRequest request;
+    request.set_layer(1);
+    moe::v1::LoadBalanceReport report;
+    const grpc::Status s = diagnostics->GetLoadBalance(&c, request, &report);
+    EXPECT_TRUE(s.ok()) << "GetLoadBalance: " << s.error_message();
+  }
+  std::vector<float> bias(InProcess(dir, 1).config().routing.num_experts, 0.25f);
+  {
+    grpc::ClientContext c;
+    deadline(&c);
+    moe::v1::SetRouterBiasRequest request;
+    request.set_layer(1);
+    request.mutable_bias()->Add(bias.begin(), bias.end());
+    request.set_source("liveness-test");
+    moe::v1::SetRouterBiasResponse response;
+    const grpc::Status s = diagnostics->SetRouterBias(&c, request, &response);
+    EXPECT_TRUE(s.ok()) << "SetRouterBias: " << s.error_message();
+  }
+  {
+    grpc::ClientContext c;
+    deadline(&c);
+    moe::v1::ModelInfo info;
+    const grpc::Status s = service->GetModelInfo(&c, moe::v1::GetModelInfoRequest(), &info);
+    EXPECT_TRUE(s.ok()) << "GetModelInfo: " << s.error_message();
+  }
+
+  const CallResult& in_flight = call.Join();
+  EXPECT_EQ(in_flight.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << in_flight.status.error_message();
+  EXPECT_NE(in_flight.status.error_message().find("rank 1 sent nothing for 1000 ms"),
+            std::string::npos)
+      << in_flight.status.error_message();
+  EXPECT_LT(call.elapsed(), absl::Seconds(2)) << "rank-timeout (1 s) + 1 s, not the 20 s deadline";
+  EXPECT_FALSE(cluster.Serving());
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(2.5)) << "marked down by rank-timeout + 1 s";
+
+  // New calls fail fast; the rank, released, exits; the gateway still serves diagnostics.
+  ExpectFastUnavailable(cluster, x, {64, 640}, "1 of 2 ranks up");
+  cluster.rank(1).Signal(SIGCONT);
+  EXPECT_NE(cluster.rank(1).Wait(absl::Seconds(10)), -1) << cluster.Logs();
   EXPECT_TRUE(cluster.gateway().running());
 }
 
