@@ -75,6 +75,12 @@ void GrpcGatewayTransport::MarkDown(Channel& channel, std::string reason) {
   cv_.notify_all();  // the steps waiting on this rank fail now
 }
 
+void GrpcGatewayTransport::CloseRankStreams() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& channel : channels_)
+    if (channel->context != nullptr) channel->context->TryCancel();
+}
+
 bool GrpcGatewayTransport::IsUp(int rank) const {
   std::lock_guard<std::mutex> lock(mu_);
   return UpLocked(rank);
@@ -100,6 +106,7 @@ absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* str
       return absl::AlreadyExistsError(
           absl::StrCat("rank ", rank, " already has an exchange stream"));
     channel.stream = stream;
+    channel.context = context;
     channel.silent = false;
     channel.down_reason.clear();
     notify = on_rank_state_;
@@ -149,6 +156,7 @@ absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* str
     std::lock_guard<std::mutex> lock(mu_);
     const bool was_silent = channel.silent;
     channel.stream = nullptr;
+    channel.context = nullptr;
     channel.silent = false;
     notify = was_silent ? nullptr : on_rank_state_;  // a silent rank was reported down already
   }

@@ -55,6 +55,8 @@ class GrpcGatewayTransport final : public GatewayTransport {
   // `context` it cancels when the rank falls silent) until the stream ends. The rank counts as
   // up meanwhile, unless it fell silent.
   absl::Status ServeRank(int rank, ExchangeServerStream* stream, grpc::ServerContext* context);
+  // Cancels every rank's stream (shutdown: they never end on their own).
+  void CloseRankStreams();
   bool IsUp(int rank) const;
   int num_up() const;
   // Called (outside locks) whenever a rank goes up or down.
@@ -64,6 +66,7 @@ class GrpcGatewayTransport final : public GatewayTransport {
   struct Channel {
     std::mutex write_mu;                     // one Write at a time per stream
     ExchangeServerStream* stream = nullptr;  // guarded by mu_
+    grpc::ServerContext* context = nullptr;  // guarded by mu_: the stream's call
     bool silent = false;                     // guarded by mu_: heard nothing for peer_timeout
     // Guarded by mu_; set once the rank was reported down (so a caller that sees its step fail
     // also sees health updated): why, for the steps that waited on it. Empty while up.

@@ -46,7 +46,9 @@ constexpr char kUsage[] =
     "Starts moe-gateway and N moe-rank processes on this host (development and demos), forwards\n"
     "their output to stderr prefixed [gateway] / [rank i], prints\n"
     "  moe-cluster: ready on HOST:PORT (N ranks)\n"
-    "to stdout once the gateway reports SERVING, and stops them all on SIGINT/SIGTERM.\n"
+    "to stdout once the gateway reports SERVING, and stops them all on SIGINT/SIGTERM: the\n"
+    "gateway first (it drains the calls in flight), then the ranks. A rank that dies stops the\n"
+    "cluster, or with --restart-ranks is started again (backoff 1 s doubling to 30 s).\n"
     "Metrics ports, when --metrics-port M is given: gateway M, rank i M+1+i.";
 
 struct ClusterOptions {
@@ -59,6 +61,8 @@ struct ClusterOptions {
   std::string bin_dir;
   double ready_timeout_s = 600;
   double stop_timeout_s = 10;
+  double drain_timeout_s = 30;  // passed to the gateway
+  bool restart_ranks = false;
   std::vector<std::string> gateway_extra;  // after `--`
 };
 
@@ -228,10 +232,25 @@ class Cluster {
   Event Wait(absl::Time deadline);
   // Logs the exits not yet logged; returns true if any happened before a stop was requested.
   bool ReportExits();
-  bool StartChild(const std::string& name, const std::vector<std::string>& argv);
-  // SIGTERM to all, up to --stop-timeout-s (a second signal cuts it short), SIGKILL to the
-  // rest, reap all. Returns `exit_code`.
+  // Returns the pid, or -1 (logged) when the child could not start.
+  pid_t StartChild(const std::string& name, const std::vector<std::string>& argv);
+  // Ranks to restart whose backoff has passed: started again. False if one could not start.
+  bool RestartDueRanks();
+  absl::Time NextRestart() const;
+  // SIGTERM to the gateway, up to --drain-timeout-s + --stop-timeout-s for it to drain and
+  // exit; then SIGTERM to the ranks, up to --stop-timeout-s; a second signal cuts either wait
+  // short. SIGKILL to the rest, reap all. Returns `exit_code`.
   int StopAll(int exit_code);
+  // Waits until none of `pids` runs, `deadline` passes or a stop signal arrives (false).
+  bool WaitForExits(const std::vector<pid_t>& pids, absl::Time deadline);
+
+  struct RankChild {
+    std::vector<std::string> argv;
+    pid_t pid = -1;
+    absl::Time started;
+    absl::Duration backoff = absl::Seconds(1);
+    absl::Time restart_at = absl::InfiniteFuture();  // pending restart
+  };
 
   const ClusterOptions options_;
   const int signal_fd_;
@@ -241,6 +260,8 @@ class Cluster {
   std::unique_ptr<HealthProbe> probe_;
   size_t exits_seen_ = 0;
   bool stopping_ = false;
+  pid_t gateway_pid_ = -1;
+  std::vector<RankChild> ranks_;
 };
 
 Cluster::Event Cluster::Wait(absl::Time deadline) {
@@ -281,6 +302,18 @@ bool Cluster::ReportExits() {
     const ChildExit& exit = exits[exits_seen_];
     if (stopping_) {
       Log(absl::StrCat(exit.name, " (pid ", exit.pid, ") ", exit.Describe()));
+      continue;
+    }
+    auto rank = std::find_if(ranks_.begin(), ranks_.end(),
+                             [&](const RankChild& r) { return r.pid == exit.pid; });
+    if (options_.restart_ranks && rank != ranks_.end()) {
+      // A rank that ran a while had a fault, not a crash loop: its backoff starts over.
+      if (absl::Now() - rank->started > absl::Seconds(60)) rank->backoff = absl::Seconds(1);
+      rank->pid = -1;
+      rank->restart_at = absl::Now() + rank->backoff;
+      Log(absl::StrCat(exit.name, " (pid ", exit.pid, ") ", exit.Describe(), "; restarting in ",
+                       absl::FormatDuration(rank->backoff), " (--restart-ranks)"));
+      rank->backoff = std::min(rank->backoff * 2, absl::Seconds(30));
     } else {
       Log(absl::StrCat(exit.name, " (pid ", exit.pid, ") ", exit.Describe(),
                        " unexpectedly; stopping the cluster"));
@@ -290,12 +323,55 @@ bool Cluster::ReportExits() {
   return unexpected;
 }
 
-bool Cluster::StartChild(const std::string& name, const std::vector<std::string>& argv) {
+pid_t Cluster::StartChild(const std::string& name, const std::vector<std::string>& argv) {
   Log(absl::StrCat("starting ", name, ": ", absl::StrJoin(argv, " ")));
   absl::StatusOr<pid_t> pid = group_.Start(name, argv);
   if (!pid.ok()) {
     Log(std::string(pid.status().message()));
+    return -1;
+  }
+  return *pid;
+}
+
+absl::Time Cluster::NextRestart() const {
+  absl::Time next = absl::InfiniteFuture();
+  for (const RankChild& rank : ranks_) next = std::min(next, rank.restart_at);
+  return next;
+}
+
+bool Cluster::RestartDueRanks() {
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    RankChild& rank = ranks_[i];
+    if (rank.restart_at > absl::Now()) continue;
+    rank.restart_at = absl::InfiniteFuture();
+    // NOTES: no gRPC object may live across a fork (the health probe is gone once ready).
+    probe_.reset();
+    rank.pid = StartChild(absl::StrCat("rank ", i), rank.argv);
+    if (rank.pid < 0) return false;
+    rank.started = absl::Now();
+  }
+  return true;
+}
+
+bool Cluster::WaitForExits(const std::vector<pid_t>& pids, absl::Time deadline) {
+  auto running = [&] {
+    const std::vector<ChildExit> exits = group_.exits();
+    for (pid_t pid : pids) {
+      if (pid < 0) continue;
+      if (std::none_of(exits.begin(), exits.end(),
+                       [pid](const ChildExit& e) { return e.pid == pid; }))
+        return true;
+    }
     return false;
+  };
+  while (running()) {
+    const Event event = Wait(deadline);
+    ReportExits();
+    if (event == Event::kDeadline) return true;
+    if (event == Event::kStopSignal) {
+      Log("second signal: killing the rest now");
+      return false;
+    }
   }
   return true;
 }
@@ -303,16 +379,18 @@ bool Cluster::StartChild(const std::string& name, const std::vector<std::string>
 int Cluster::StopAll(int exit_code) {
   stopping_ = true;
   probe_.reset();
-  group_.SignalAll(SIGTERM);
-  const absl::Time deadline = absl::Now() + absl::Seconds(options_.stop_timeout_s);
-  while (group_.running() > 0) {
-    const Event event = Wait(deadline);
-    ReportExits();
-    if (event == Event::kDeadline) break;
-    if (event == Event::kStopSignal) {
-      Log("second signal: killing the rest now");
-      break;
-    }
+  // The gateway first: it drains the calls in flight, which need the ranks.
+  bool patient = true;
+  if (gateway_pid_ > 0) {
+    group_.Signal(gateway_pid_, SIGTERM);
+    patient = WaitForExits({gateway_pid_}, absl::Now() + absl::Seconds(options_.drain_timeout_s +
+                                                                       options_.stop_timeout_s));
+  }
+  if (patient) {
+    group_.SignalAll(SIGTERM);
+    std::vector<pid_t> all = {gateway_pid_};
+    for (const RankChild& rank : ranks_) all.push_back(rank.pid);
+    WaitForExits(all, absl::Now() + absl::Seconds(options_.stop_timeout_s));
   }
   const std::vector<std::string> stragglers = group_.running_names();
   if (!stragglers.empty()) {
@@ -345,9 +423,11 @@ int Cluster::Run() {
   if (options_.metrics_port > 0) {
     gateway.insert(gateway.end(), {"--metrics-port", std::to_string(options_.metrics_port)});
   }
-  gateway.insert(gateway.end(), {"--host", options_.host});
+  gateway.insert(gateway.end(), {"--host", options_.host, "--drain-timeout-s",
+                                 absl::StrCat(options_.drain_timeout_s)});
   gateway.insert(gateway.end(), options_.gateway_extra.begin(), options_.gateway_extra.end());
-  if (!StartChild("gateway", gateway)) return StopAll(1);
+  gateway_pid_ = StartChild("gateway", gateway);
+  if (gateway_pid_ < 0) return StopAll(1);
 
   while (!PortAcceptsConnections(ConnectHost(options_.host), options_.port)) {
     if (absl::Now() >= ready_deadline) {
@@ -374,14 +454,20 @@ int Cluster::Run() {
     if (options_.metrics_port > 0) {
       rank.insert(rank.end(), {"--metrics-port", std::to_string(options_.metrics_port + 1 + i)});
     }
-    if (!StartChild(absl::StrCat("rank ", i), rank)) return StopAll(1);
+    RankChild child;
+    child.argv = rank;
+    child.started = absl::Now();
+    child.pid = StartChild(absl::StrCat("rank ", i), rank);
+    ranks_.push_back(std::move(child));
+    if (ranks_.back().pid < 0) return StopAll(1);
   }
 
   // NOTES: the probe starts after the last fork, so no gRPC thread exists while forking.
   probe_ = std::make_unique<HealthProbe>(connect_address, ready_fd_);
   bool ready = false;
   for (;;) {
-    switch (Wait(ready ? absl::InfiniteFuture() : ready_deadline)) {
+    const absl::Time next_restart = NextRestart();
+    switch (Wait(std::min(ready ? absl::InfiniteFuture() : ready_deadline, next_restart))) {
       case Event::kReady:
         ready = true;
         probe_.reset();
@@ -395,7 +481,13 @@ int Cluster::Run() {
         if (ReportExits()) return StopAll(1);
         break;
       case Event::kDeadline:
-        return not_ready(absl::StrCat("gateway health check: ", probe_->last_result()));
+        if (absl::Now() >= next_restart) {
+          if (!RestartDueRanks()) return StopAll(1);
+          if (!ready) probe_ = std::make_unique<HealthProbe>(connect_address, ready_fd_);
+          break;
+        }
+        return not_ready(absl::StrCat("gateway health check: ",
+                                      probe_ ? probe_->last_result() : "(probe stopped)"));
     }
   }
 }
@@ -425,6 +517,11 @@ int Main(int argc, char** argv) {
                "give up (exit 1) when the gateway is not SERVING after this long");
   flags.Double("stop-timeout-s", &options.stop_timeout_s,
                "on stop, SIGKILL what has not exited this long after SIGTERM");
+  flags.Double("drain-timeout-s", &options.drain_timeout_s,
+               "on stop, how long the gateway may finish the calls in flight (its "
+               "--drain-timeout-s); the ranks stop after it");
+  flags.Bool("restart-ranks", &options.restart_ranks,
+             "start a rank that dies again (backoff 1 s doubling to 30 s) instead of stopping");
   flags.Require("checkpoint");
   flags.Require("ranks");
   flags.ParseOrExit(flag_end, argv);
@@ -454,6 +551,7 @@ int Main(int argc, char** argv) {
   if (options.threads_per_rank < 0) return usage_error("--threads-per-rank must be >= 0");
   if (!(options.ready_timeout_s > 0)) return usage_error("--ready-timeout-s must be > 0");
   if (!(options.stop_timeout_s >= 0)) return usage_error("--stop-timeout-s must be >= 0");
+  if (!(options.drain_timeout_s >= 0)) return usage_error("--drain-timeout-s must be >= 0");
 
   if (options.bin_dir.empty()) options.bin_dir = ExecutableDir();
   for (const char* program : {"moe-gateway", "moe-rank"}) {

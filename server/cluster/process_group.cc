@@ -260,11 +260,19 @@ absl::StatusOr<pid_t> ProcessGroup::Start(const std::string& name,
 }
 
 void ProcessGroup::SignalAll(int sig) {
+  SignalWhere(sig, [](const Child&) { return true; });
+}
+
+void ProcessGroup::Signal(pid_t pid, int sig) {
+  SignalWhere(sig, [pid](const Child& child) { return child.pid == pid; });
+}
+
+void ProcessGroup::SignalWhere(int sig, const std::function<bool(const Child&)>& which) {
   std::lock_guard<std::mutex> lock(mu_);
   // NOTES: signalling under mu_, which reaping also holds, means a pid is never signalled
   // after it was reaped (and possibly reused).
   for (auto& child : children_) {
-    if (child->reaped) continue;
+    if (child->reaped || !which(*child)) continue;
     if (sig != 0) child->signalled = true;
     if (options_.new_process_group && kill(-child->pid, sig) == 0) continue;
     kill(child->pid, sig);

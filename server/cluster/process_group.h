@@ -89,6 +89,8 @@ class ProcessGroup {
   // Sends `sig` to every child not yet reaped (to its process group when new_process_group)
   // and marks them signalled_by_group (for sig != 0).
   void SignalAll(int sig);
+  // The same for one child (no-op once it has been reaped).
+  void Signal(pid_t pid, int sig);
 
   // Blocks until the child `pid` has been reaped or `deadline` passes.
   absl::optional<ChildExit> WaitForExit(pid_t pid, absl::Time deadline = absl::InfiniteFuture());
@@ -111,6 +113,7 @@ class ProcessGroup {
   struct Child;
 
   void MonitorLoop();
+  void SignalWhere(int sig, const std::function<bool(const Child&)>& which);
   // Reads what `child` has in its pipe (non-blocking) and forwards complete lines; on EOF
   // flushes the partial last line and closes the pipe. Monitor thread only.
   void DrainOutput(Child& child, size_t max_bytes);

@@ -168,7 +168,30 @@ absl::Status Gateway::Start() {
   return absl::OkStatus();
 }
 
+void Gateway::BeginRequest() {
+  std::lock_guard<std::mutex> lock(in_flight_mu_);
+  ++in_flight_;
+}
+
+void Gateway::EndRequest() {
+  std::lock_guard<std::mutex> lock(in_flight_mu_);
+  if (--in_flight_ == 0) in_flight_cv_.notify_all();
+}
+
+int64_t Gateway::Drain(absl::Duration timeout) {
+  draining_ = true;
+  {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    if (health_ != nullptr) health_->SetServingStatus(false);  // every service name
+  }
+  std::unique_lock<std::mutex> lock(in_flight_mu_);
+  in_flight_cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                         [this] { return in_flight_ == 0; });
+  return in_flight_;
+}
+
 void Gateway::Shutdown(absl::Duration grace) {
+  draining_ = true;
   if (nccl_callback_ != nullptr) nccl_callback_->Set(nullptr);
   {
     std::lock_guard<std::mutex> lock(health_mu_);
@@ -176,6 +199,7 @@ void Gateway::Shutdown(absl::Duration grace) {
     health_ = nullptr;
   }
   if (server_ != nullptr) {
+    transport_->CloseRankStreams();
     server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
     server_->Wait();
     server_.reset();
@@ -242,7 +266,7 @@ void Gateway::OnRankState(int rank, bool up) {
                  ReadinessMessage().c_str());
   if (all_up) std::fprintf(stderr, "moe-gateway: ready (%d ranks)\n", options_.num_ranks);
   std::fflush(stderr);
-  if (health_ != nullptr) health_->SetServingStatus(all_up);
+  if (health_ != nullptr) health_->SetServingStatus(all_up && !draining_);
 }
 
 }  // namespace moe

@@ -3,9 +3,12 @@
 //   Gateway::Create   loads the checkpoint's gateway tensors, builds backend + transport
 //   Gateway::Start    serves moe.v1.MoeService, moe.v1.internal.RankControl, grpc.health.v1
 //                     and server reflection; NOT_SERVING until every rank has loaded
-//   Gateway::Shutdown graceful stop
+//   Gateway::Drain    NOT_SERVING at once, new calls UNAVAILABLE, waits for in-flight ones
+//   Gateway::Shutdown stops the server (after Drain: at once)
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -70,9 +73,20 @@ class Gateway {
   ~Gateway();
 
   absl::Status Start();
-  // Stops accepting calls, finishes in-flight ones within `grace`, then cancels the rest.
+  // Graceful stop, first half: health NOT_SERVING at once and new requests UNAVAILABLE, then
+  // waits up to `timeout` for the requests in flight. Returns how many are still in flight.
+  int64_t Drain(absl::Duration timeout);
+  // Stops the server: calls still running after `grace` are cancelled. Rank streams never end
+  // on their own, so they are cancelled first: with nothing in flight (after Drain) this
+  // returns at once.
   void Shutdown(absl::Duration grace = absl::Seconds(5));
   void Wait();
+
+  bool draining() const { return draining_.load(); }
+  // Requests accepted and not yet answered (a ForwardStream counts each of its requests).
+  // The services bracket each request with these.
+  void BeginRequest();
+  void EndRequest();
 
   int port() const { return port_; }
   bool ready() const;
@@ -134,6 +148,10 @@ class Gateway {
   std::mutex health_mu_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // guarded by health_mu_
   int port_ = 0;
+  std::atomic<bool> draining_{false};
+  std::mutex in_flight_mu_;
+  std::condition_variable in_flight_cv_;
+  int64_t in_flight_ = 0;  // guarded by in_flight_mu_
   std::string session_;
   mutable std::mutex ranks_mu_;
   std::vector<RankRecord> ranks_;

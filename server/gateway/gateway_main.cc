@@ -12,8 +12,8 @@
 
 namespace {
 
-std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop = true; }
+std::atomic<int> g_signals{0};  // SIGTERM/SIGINT received: the first drains, a second cuts it short
+void OnSignal(int) { ++g_signals; }
 
 }  // namespace
 
@@ -53,6 +53,10 @@ int main(int argc, char** argv) {
   flags.Int("rank-timeout-ms", &rank_timeout_ms,
             "a rank that sends nothing for this long (hung, cut off) is marked down; ranks give "
             "up on a gateway as silent as long");
+  double drain_timeout_s = 30;
+  flags.Double("drain-timeout-s", &drain_timeout_s,
+               "on SIGTERM/SIGINT: NOT_SERVING and new calls UNAVAILABLE at once, then up to this "
+               "long for the calls in flight before exiting");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
   flags.Int("metrics-port", &options.metrics_port,
             "Prometheus /metrics port (-1 = off, 0 = any free port)");
@@ -87,6 +91,10 @@ int main(int argc, char** argv) {
   options.batcher.max_wait = absl::Microseconds(max_wait_us);
   options.balance.refresh = absl::Seconds(qb_refresh_s);
   options.batcher.step_timeout = absl::Milliseconds(step_timeout_ms);
+  if (!(drain_timeout_s >= 0)) {
+    std::fprintf(stderr, "moe-gateway: --drain-timeout-s must be >= 0\n");
+    return 2;
+  }
   if (heartbeat_ms <= 0 || rank_timeout_ms <= heartbeat_ms) {
     std::fprintf(stderr,
                  "moe-gateway: need 0 < --heartbeat-ms < --rank-timeout-ms (got %lld, %lld)\n",
@@ -116,8 +124,24 @@ int main(int argc, char** argv) {
   std::fflush(stderr);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
-  std::fprintf(stderr, "moe-gateway: shutting down\n");
-  (*gateway)->Shutdown(absl::Seconds(5));
+  while (g_signals == 0) absl::SleepFor(absl::Milliseconds(10));
+  std::fprintf(stderr, "moe-gateway: draining (up to %g s; a second signal stops at once)\n",
+               drain_timeout_s);
+  std::fflush(stderr);
+  const absl::Time drain_start = absl::Now();
+  const absl::Time drain_end = drain_start + absl::Seconds(drain_timeout_s);
+  int64_t left;
+  do {
+    left = (*gateway)->Drain(std::min(absl::Milliseconds(50), drain_end - absl::Now()));
+  } while (left > 0 && absl::Now() < drain_end && g_signals < 2);
+  const double drained_s = absl::ToDoubleSeconds(absl::Now() - drain_start);
+  if (left > 0)
+    std::fprintf(stderr,
+                 "moe-gateway: %lld requests still in flight after %.2f s: cancelling them\n",
+                 static_cast<long long>(left), drained_s);
+  else
+    std::fprintf(stderr, "moe-gateway: drained in %.2f s; shutting down\n", drained_s);
+  std::fflush(stderr);
+  (*gateway)->Shutdown(absl::ZeroDuration());
   return 0;
 }

@@ -21,6 +21,8 @@ absl::StatusOr<std::shared_ptr<ForwardCall>> MakeCall(Gateway& gateway,
                                                       const ForwardRequest& request,
                                                       absl::Time deadline,
                                                       ValidatedRequest* validated) {
+  if (gateway.draining())
+    return absl::UnavailableError("the gateway is shutting down (draining); try another replica");
   if (!gateway.ready())
     return absl::UnavailableError(absl::StrCat("not ready: ", gateway.ReadinessMessage()));
   RequestLimits limits{gateway.engine().config().hidden_size, gateway.options().max_request_tokens,
@@ -65,7 +67,10 @@ grpc::Status MoeServiceImpl::Forward(grpc::ServerContext* context, const Forward
                                      ForwardResponse* response) {
   const absl::Time start = absl::Now();
   absl::Duration queue;
+  // Counted before MakeCall checks draining(): Drain either sees this request or it sees drain.
+  gateway_->BeginRequest();
   grpc::Status status = ForwardOnce(context, request, response, &queue);
+  gateway_->EndRequest();
   gateway_->metrics().OnRequest(request->layer(), status.error_code(), absl::Now() - start, queue);
   return status;
 }
@@ -114,8 +119,10 @@ grpc::Status MoeServiceImpl::ForwardStream(
   ForwardRequest request;
   while (stream->Read(&request)) {
     auto validated = std::make_shared<ValidatedRequest>();
+    gateway_->BeginRequest();  // ended in on_done, or below when the request never runs
     auto call = MakeCall(*gateway_, request, DeadlineOf(*context), validated.get());
     if (!call.ok()) {
+      gateway_->EndRequest();
       write_error(request, call.status());
       continue;
     }
@@ -132,6 +139,7 @@ grpc::Status MoeServiceImpl::ForwardStream(
       } else {
         write_error(*owned_request, done.status);
       }
+      gateway_->EndRequest();
       std::lock_guard<std::mutex> lock(mu);
       --outstanding;
       cv.notify_all();
@@ -145,6 +153,7 @@ grpc::Status MoeServiceImpl::ForwardStream(
         std::lock_guard<std::mutex> lock(mu);
         --outstanding;
       }
+      gateway_->EndRequest();
       write_error(request, s);
       continue;
     }

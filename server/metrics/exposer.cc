@@ -1,14 +1,59 @@
 #include "server/metrics/exposer.h"
 
-#include <exception>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <exception>
+#include <thread>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace moe {
+namespace {
 
-absl::StatusOr<std::unique_ptr<prometheus::Exposer>> ServeRegistry(
-    const std::shared_ptr<prometheus::Registry>& registry, const std::string& address, int threads,
-    int* port) {
+// The host part of "HOST:PORT" / "[V6]:PORT", as a connectable address (wildcards -> loopback).
+std::string WakeHost(const std::string& address) {
+  std::string host = address.substr(0, address.rfind(':'));
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]"))
+    host = host.substr(1, host.size() - 2);
+  if (host.empty() || host == "0.0.0.0") return "127.0.0.1";
+  if (host == "::") return "::1";
+  return host;
+}
+
+// One TCP connection attempt to host:port, closed at once (a numeric host; others are skipped).
+void Poke(const std::string& host, int port) {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&storage);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&storage);
+  if (inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(static_cast<uint16_t>(port));
+    length = sizeof *v4;
+  } else if (inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(static_cast<uint16_t>(port));
+    length = sizeof *v6;
+  } else {
+    return;  // a host name: the exposer then stops at its own pace
+  }
+  const int fd = socket(storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  (void)connect(fd, reinterpret_cast<sockaddr*>(&storage), length);
+  close(fd);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::shared_ptr<prometheus::Registry>& registry, const std::string& address,
+    int threads) {
   std::unique_ptr<prometheus::Exposer> exposer;
   try {
     exposer = std::make_unique<prometheus::Exposer>(address, threads);
@@ -18,8 +63,26 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> ServeRegistry(
   }
   exposer->RegisterCollectable(registry);
   const auto ports = exposer->GetListeningPorts();
-  *port = ports.empty() ? 0 : ports.front();
-  return exposer;
+  const int port = ports.empty() ? 0 : ports.front();
+  return std::unique_ptr<MetricsServer>(
+      new MetricsServer(std::move(exposer), WakeHost(address), port));
+}
+
+MetricsServer::MetricsServer(std::unique_ptr<prometheus::Exposer> exposer, std::string wake_host,
+                             int port)
+    : exposer_(std::move(exposer)), wake_host_(std::move(wake_host)), port_(port) {}
+
+MetricsServer::~MetricsServer() {
+  std::atomic<bool> stopped{false};
+  std::thread waker([this, &stopped] {
+    while (!stopped.load()) {
+      Poke(wake_host_, port_);
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  });
+  exposer_.reset();
+  stopped = true;
+  waker.join();
 }
 
 }  // namespace moe

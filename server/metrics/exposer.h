@@ -1,4 +1,5 @@
-// Serving a prometheus-cpp registry on /metrics (one place for the exposer's exceptions).
+// Serving a prometheus-cpp registry on /metrics (one place for the exposer's exceptions and its
+// shutdown).
 #pragma once
 
 #include <memory>
@@ -10,10 +11,28 @@
 
 namespace moe {
 
-// Listens on `address` ("HOST:PORT", port 0 = any free one) and serves `registry`; `port`
-// receives the port actually bound.
-absl::StatusOr<std::unique_ptr<prometheus::Exposer>> ServeRegistry(
-    const std::shared_ptr<prometheus::Registry>& registry, const std::string& address, int threads,
-    int* port);
+// A running /metrics endpoint. Destruction returns within milliseconds: civetweb's listener
+// thread polls with a 2 s quantum and checks its stop flag only between polls, so the
+// destructor connects to the port while the exposer stops (which wakes the poll) instead of
+// making every process exit wait for up to 2 s.
+class MetricsServer {
+ public:
+  // Listens on `address` ("HOST:PORT", port 0 = any free one) and serves `registry`.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      const std::shared_ptr<prometheus::Registry>& registry, const std::string& address,
+      int threads);
+  ~MetricsServer();
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+
+  int port() const { return port_; }
+
+ private:
+  MetricsServer(std::unique_ptr<prometheus::Exposer> exposer, std::string wake_host, int port);
+
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  const std::string wake_host_;  // where the destructor connects: the bound address, or loopback
+  const int port_;
+};
 
 }  // namespace moe

@@ -132,9 +132,10 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
 GatewayMetrics::~GatewayMetrics() = default;
 
 absl::Status GatewayMetrics::Serve(const std::string& address) {
-  auto exposer = ServeRegistry(registry_, address, 2, &port_);
-  if (!exposer.ok()) return exposer.status();
-  exposer_ = std::move(*exposer);
+  auto server = MetricsServer::Start(registry_, address, 2);
+  if (!server.ok()) return server.status();
+  server_ = std::move(*server);
+  port_ = server_->port();
   return absl::OkStatus();
 }
 

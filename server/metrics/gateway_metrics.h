@@ -16,11 +16,11 @@
 #include "absl/time/time.h"
 #include "model/dispatch.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/gateway/gateway_engine.h"
+#include "server/metrics/exposer.h"
 
 namespace moe {
 
@@ -76,7 +76,7 @@ class GatewayMetrics final : public StepObserver {
   ExpertPlacement placement_;
   MetricsOptions options_;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsServer> server_;
   int port_ = 0;
 
   prometheus::Family<prometheus::Counter>* requests_;

@@ -50,9 +50,10 @@ RankMetrics::RankMetrics() : registry_(std::make_shared<prometheus::Registry>())
 RankMetrics::~RankMetrics() = default;
 
 absl::Status RankMetrics::Serve(const std::string& address) {
-  auto exposer = ServeRegistry(registry_, address, 1, &port_);
-  if (!exposer.ok()) return exposer.status();
-  exposer_ = std::move(*exposer);
+  auto server = MetricsServer::Start(registry_, address, 1);
+  if (!server.ok()) return server.status();
+  server_ = std::move(*server);
+  port_ = server_->port();
   return absl::OkStatus();
 }
 

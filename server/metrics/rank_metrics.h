@@ -7,10 +7,10 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "server/metrics/exposer.h"
 #include "server/rank/rank_worker.h"
 
 namespace moe {
@@ -27,7 +27,7 @@ class RankMetrics final : public RankStepObserver {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsServer> server_;
   int port_ = 0;
   prometheus::Family<prometheus::Counter>* steps_;
   prometheus::Family<prometheus::Counter>* rows_;

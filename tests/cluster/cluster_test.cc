@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
@@ -66,6 +67,27 @@ pid_t ReadPid(const std::string& path) {
 
 // True once `pid` is gone (exited and reaped).
 bool Gone(pid_t pid) { return pid > 0 && kill(pid, 0) == -1 && errno == ESRCH; }
+
+// A running child of `parent` whose NUL-separated command line (NULs read as newlines)
+// contains `args`; -1 if none.
+pid_t ChildRunning(pid_t parent, const std::string& args) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    int pid;
+    if (!absl::SimpleAtoi(entry.path().filename().string(), &pid)) continue;
+    const std::string stat = ReadFile(entry.path().string() + "/stat");
+    const size_t close_paren = stat.rfind(')');
+    if (close_paren == std::string::npos) continue;
+    std::vector<std::string> fields = absl::StrSplit(stat.substr(close_paren + 2), ' ');
+    int ppid;
+    if (fields.size() < 2 || fields[0] == "Z" || !absl::SimpleAtoi(fields[1], &ppid) ||
+        ppid != parent)
+      continue;
+    std::string cmdline = ReadFile(entry.path().string() + "/cmdline");
+    std::replace(cmdline.begin(), cmdline.end(), '\0', '\n');
+    if (cmdline.find(args) != std::string::npos) return pid;
+  }
+  return -1;
+}
 
 // A TCP port nobody listens on right now.
 int FreePort() {
@@ -173,6 +195,14 @@ class ClusterTest : public ::testing::Test {
   }
 
   std::string Stderr() const { return ReadFile(dir_ + "/stderr"); }
+  bool WaitForStderr(const std::string& text, absl::Duration timeout = absl::Seconds(10)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (Stderr().find(text) == std::string::npos) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return true;
+  }
 
   std::string dir_;
   int port_ = 0;
@@ -190,11 +220,11 @@ TEST_F(ClusterTest, StartsGatewayAndRanksReportsReadyAndStopsOnSigterm) {
                         "--serve-after-ms", "300"}));
   ASSERT_TRUE(WaitForStdout(ReadyLine(2))) << Stderr();
 
-  EXPECT_EQ(
-      ReadLines(dir_ + "/gateway.argv"),
-      (std::vector<std::string>{"--checkpoint", "/ckpt/k3-mini", "--port", std::to_string(port_),
-                                "--ranks", "2", "--metrics-port", std::to_string(metrics), "--host",
-                                "127.0.0.1", "--serve-after-ms", "300"}));
+  EXPECT_EQ(ReadLines(dir_ + "/gateway.argv"),
+            (std::vector<std::string>{"--checkpoint", "/ckpt/k3-mini", "--port",
+                                      std::to_string(port_), "--ranks", "2", "--metrics-port",
+                                      std::to_string(metrics), "--host", "127.0.0.1",
+                                      "--drain-timeout-s", "30", "--serve-after-ms", "300"}));
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(WaitForFile(absl::StrCat(dir_, "/rank-", i, ".pid")));
     EXPECT_EQ(ReadLines(absl::StrCat(dir_, "/rank-", i, ".argv")),
@@ -255,6 +285,55 @@ TEST_F(ClusterTest, RankDeathStopsTheClusterWithFailure) {
   EXPECT_NE(err.find("[gateway] fake gateway: signal 15, shutting down"), std::string::npos) << err;
 }
 
+TEST_F(ClusterTest, StopsTheGatewayFirstAndTheRanksOnlyOnceItHasDrained) {
+  StartCluster(Args(2, {"--", "--serve-after-ms", "0", "--drain-ms", "1000"}));
+  ASSERT_TRUE(WaitForStdout(ReadyLine(2))) << Stderr();
+  const pid_t rank0 = ReadPid(dir_ + "/rank-0.pid");
+  const pid_t rank1 = ReadPid(dir_ + "/rank-1.pid");
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  absl::SleepFor(absl::Milliseconds(500));  // the gateway is draining: it needs the ranks
+  EXPECT_FALSE(Gone(rank0) || Gone(rank1)) << Stderr();
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.success()) << exit.Describe() << "\n" << Stderr();
+  EXPECT_TRUE(Gone(rank0) && Gone(rank1));
+  const std::string err = Stderr();
+  const size_t drained = err.find("[gateway] fake gateway: drained");
+  const size_t rank_stopped = err.find("moe-cluster: rank 0 (pid ");
+  ASSERT_NE(drained, std::string::npos) << err;
+  ASSERT_NE(rank_stopped, std::string::npos) << err;
+  EXPECT_LT(drained, rank_stopped) << err;
+}
+
+TEST_F(ClusterTest, RestartRanksStartsADeadRankAgainWithBackoff) {
+  StartCluster(Args(2, {"--restart-ranks", "--", "--serve-after-ms", "0"}));
+  ASSERT_TRUE(WaitForStdout(ReadyLine(2))) << Stderr();
+  const pid_t gateway = ReadPid(dir_ + "/gateway.pid");
+  const pid_t first = ReadPid(dir_ + "/rank-1.pid");
+  ASSERT_GT(first, 0);
+  ASSERT_EQ(kill(first, SIGKILL), 0);
+  // A new rank 1 within the first backoff (1 s) and some slack; the rest runs on.
+  pid_t second = first;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (second == first && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    second = ReadPid(dir_ + "/rank-1.pid");
+  }
+  ASSERT_NE(second, first) << Stderr();
+  EXPECT_FALSE(Gone(gateway));
+  EXPECT_NE(Stderr().find(absl::StrCat("moe-cluster: rank 1 (pid ", first,
+                                       ") killed by signal 9 (SIGKILL); restarting in 1s")),
+            std::string::npos)
+      << Stderr();
+  // Killed again at once: the backoff has doubled.
+  ASSERT_EQ(kill(second, SIGKILL), 0);
+  ASSERT_TRUE(WaitForStderr("restarting in 2s"));
+
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.success()) << exit.Describe() << "\n" << Stderr();
+  EXPECT_TRUE(Gone(gateway));
+}
+
 TEST_F(ClusterTest, GatewayExitBeforeListeningFails) {
   StartCluster(Args(2, {"--", "--exit-code", "3"}));
   const ChildExit exit = WaitExit();
@@ -281,8 +360,8 @@ TEST_F(ClusterTest, ReadyTimeoutExitsOneAndStopsEverything) {
 }
 
 TEST_F(ClusterTest, StragglerIsKilledAfterStopTimeout) {
-  StartCluster(
-      Args(1, {"--stop-timeout-s", "0.5", "--", "--ignore-term", "--serve-after-ms", "0"}));
+  StartCluster(Args(1, {"--stop-timeout-s", "0.5", "--drain-timeout-s", "0", "--", "--ignore-term",
+                        "--serve-after-ms", "0"}));
   ASSERT_TRUE(WaitForStdout(ReadyLine(1))) << Stderr();
   const pid_t gateway = ReadPid(dir_ + "/gateway.pid");
   ASSERT_EQ(kill(pid_, SIGTERM), 0);
@@ -324,8 +403,24 @@ TEST_F(ClusterTest, RealGatewayAndRanks) {
                             .c_str()),
             0);
   StartCluster({"--checkpoint", checkpoint, "--ranks", "2", "--port", std::to_string(port_),
-                "--threads-per-rank", "1"});
+                "--threads-per-rank", "1", "--restart-ranks"});
   ASSERT_TRUE(WaitForStdout(ReadyLine(2), absl::Seconds(120))) << Stderr();
+  // A real rank killed is started again and registers: the gateway is ready once more.
+  const pid_t rank1 = ChildRunning(pid_, "--rank\n1\n");
+  ASSERT_GT(rank1, 0) << Stderr();
+  ASSERT_EQ(kill(rank1, SIGKILL), 0);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  auto ready_lines = [&] {
+    const std::string err = Stderr();
+    size_t n = 0;
+    for (size_t at = err.find("moe-gateway: ready (2 ranks)"); at != std::string::npos;
+         at = err.find("moe-gateway: ready (2 ranks)", at + 1))
+      ++n;
+    return n;
+  };
+  while (ready_lines() < 2 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(ready_lines(), 2u) << "rank 1 did not rejoin\n" << Stderr();
+  EXPECT_NE(ChildRunning(pid_, "--rank\n1\n"), rank1);
   ASSERT_EQ(kill(pid_, SIGTERM), 0);
   const ChildExit exit = WaitExit();
   EXPECT_TRUE(exit.success()) << exit.Describe() << "\n" << Stderr();

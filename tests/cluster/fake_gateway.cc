@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "core/flags.h"
@@ -64,6 +66,10 @@ int main(int argc, char** argv) {
   flags.Bool("never-serve", &never_serve, "stay NOT_SERVING");
   flags.Int("exit-code", &exit_code, "exit with this code at once (>= 0)");
   flags.Bool("ignore-term", &ignore_term, "ignore SIGTERM (only SIGKILL ends it)");
+  double drain_timeout_s = 0;
+  int drain_ms = 0;
+  flags.Double("drain-timeout-s", &drain_timeout_s, "ignored (moe-cluster passes it)");
+  flags.Int("drain-ms", &drain_ms, "after the stop signal, 'drain' this long before exiting");
   flags.Require("checkpoint");
   flags.Require("port");
   flags.Require("ranks");
@@ -109,6 +115,11 @@ int main(int argc, char** argv) {
   if (sig == 0) sig = WaitSignal(set, -1);
   std::printf("fake gateway: signal %d, shutting down\n", sig);
   std::fflush(stdout);
+  if (drain_ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(drain_ms));
+    std::printf("fake gateway: drained\n");
+    std::fflush(stdout);
+  }
   server->Shutdown();
   return 0;
 }

@@ -5,6 +5,7 @@
 // combine accumulates in fp64 (order-independent to 2^-53) and the CPU kernels are batch
 // invariant, so every output must also be bit-identical, which the tests assert.
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <cmath>
 #include <random>
@@ -419,6 +420,75 @@ TEST(ServiceTest, AHungRankFailsItsStepsAndNeverBlocksDiagnostics) {
   cluster.rank(1).Signal(SIGCONT);
   EXPECT_NE(cluster.rank(1).Wait(absl::Seconds(10)), -1) << cluster.Logs();
   EXPECT_TRUE(cluster.gateway().running());
+}
+
+// Graceful drain: SIGTERM turns health NOT_SERVING and refuses new calls at once, lets the
+// calls in flight finish (bit-identical, OK), then exits 0.
+TEST(ServiceTest, SigtermDrainsInFlightCallsThenExitsZero) {
+  const std::string dir = TestCheckpoint("k3-mini");
+  LocalCluster cluster(ClusterOptions{dir, 2, {}, {"--debug-step-delay-ms", "1500"}});
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  const auto x1 = RandomInput(3, 640, 31), x2 = RandomInput(257, 640, 32);
+  BackgroundCall a(cluster, 1, x1, {3, 640}, absl::Seconds(30));
+  BackgroundCall b(cluster, 2, x2, {257, 640}, absl::Seconds(30));
+  absl::SleepFor(absl::Milliseconds(400));  // both steps wait on the (slow) ranks
+  cluster.gateway().Signal(SIGTERM);
+  const absl::Time term = absl::Now();
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(cluster.Serving()) << "NOT_SERVING at once";
+  CallResult refused = Call(cluster.stub(), 1, x1, {3, 640}, absl::Seconds(5));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(refused.status.error_message().find("shutting down"), std::string::npos)
+      << refused.status.error_message();
+
+  const CallResult& got_a = a.Join();
+  const CallResult& got_b = b.Join();
+  ASSERT_TRUE(got_a.status.ok()) << got_a.status.error_message() << cluster.Logs();
+  ASSERT_TRUE(got_b.status.ok()) << got_b.status.error_message() << cluster.Logs();
+  EXPECT_EQ(got_a.output, InProcess(dir, 1).Forward(x1));
+  EXPECT_EQ(got_b.output, InProcess(dir, 2).Forward(x2));
+  const int status = cluster.gateway().Wait(absl::Seconds(5));
+  ASSERT_NE(status, -1) << "the gateway did not exit\n" << cluster.Logs();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_LT(absl::Now() - term, absl::Seconds(8)) << "two 1.5 s steps, not the 30 s timeout";
+  EXPECT_FALSE(cluster.gateway().WaitForLog("drained in", absl::Seconds(1)).empty())
+      << cluster.Logs();
+}
+
+TEST(ServiceTest, DrainTimeoutCancelsWhatIsLeftAndExits) {
+  const std::string dir = TestCheckpoint("k3-mini");
+  LocalCluster cluster(
+      ClusterOptions{dir, 2, {"--drain-timeout-s", "0.3"}, {"--debug-step-delay-ms", "5000"}});
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  const auto x = RandomInput(8, 640, 33);
+  BackgroundCall call(cluster, 1, x, {8, 640}, absl::Seconds(30));
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time term = absl::Now();
+  cluster.gateway().Signal(SIGTERM);
+  const int status = cluster.gateway().Wait(absl::Seconds(10));
+  ASSERT_NE(status, -1) << cluster.Logs();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_LT(absl::Now() - term, absl::Milliseconds(1500)) << "0.3 s drain, then out";
+  const CallResult& got = call.Join();
+  EXPECT_FALSE(got.status.ok()) << "it could not finish: its rank takes 5 s";
+  EXPECT_FALSE(cluster.gateway().WaitForLog("still in flight", absl::Seconds(1)).empty())
+      << cluster.Logs();
+}
+
+TEST(ServiceTest, IdleProcessesExitWithinASecondOfSigterm) {
+  ClusterOptions options{TestCheckpoint("k3-mini"), 2};
+  options.metrics = true;  // the /metrics server must not hold the exit up either
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  for (testing::ChildProcess* process : {&cluster.rank(0), &cluster.gateway()}) {
+    const absl::Time t0 = absl::Now();
+    process->Signal(SIGTERM);
+    const int status = process->Wait(absl::Seconds(10));
+    const absl::Duration took = absl::Now() - t0;
+    ASSERT_NE(status, -1) << cluster.Logs();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    EXPECT_LT(took, absl::Seconds(1)) << cluster.Logs();
+  }
 }
 
 }  // namespace
