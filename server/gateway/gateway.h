@@ -77,8 +77,8 @@ class Gateway {
   // waits up to `timeout` for the requests in flight. Returns how many are still in flight.
   int64_t Drain(absl::Duration timeout);
   // Stops the server: calls still running after `grace` are cancelled. Rank streams never end
-  // on their own, so they are cancelled first: with nothing in flight (after Drain) this
-  // returns at once.
+  // on their own, so they are cancelled first: after Drain only responses being sent (and
+  // open client streams) remain.
   void Shutdown(absl::Duration grace = absl::Seconds(5));
   void Wait();
 

@@ -142,6 +142,8 @@ int main(int argc, char** argv) {
   else
     std::fprintf(stderr, "moe-gateway: drained in %.2f s; shutting down\n", drained_s);
   std::fflush(stderr);
-  (*gateway)->Shutdown(absl::ZeroDuration());
+  // Answered calls may still be sending their responses: a short grace (which only open
+  // streams, idle ForwardStreams or health watches, wait out in full) unless the drain timed out.
+  (*gateway)->Shutdown(left > 0 ? absl::ZeroDuration() : absl::Milliseconds(500));
   return 0;
 }
