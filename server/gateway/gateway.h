@@ -50,6 +50,9 @@ struct GatewayOptions {
   // NCCL: how long the communicator may take to form (ranks load their experts first).
   absl::Duration nccl_init_timeout = absl::Minutes(30);
   int64_t max_message_bytes = int64_t{1} << 30;  // gRPC message limit (large K3 batches)
+  // Responses of one ForwardStream buffered for a client that reads slowly; beyond it, the
+  // stream's new requests get RESOURCE_EXHAUSTED.
+  int64_t max_stream_buffer_bytes = int64_t{64} << 20;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
   MetricsOptions metrics;

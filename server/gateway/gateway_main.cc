@@ -53,6 +53,10 @@ int main(int argc, char** argv) {
   flags.Int("rank-timeout-ms", &rank_timeout_ms,
             "a rank that sends nothing for this long (hung, cut off) is marked down; ranks give "
             "up on a gateway as silent as long");
+  int64_t stream_buffer_mb = 64;
+  flags.Int("stream-buffer-mb", &stream_buffer_mb,
+            "responses buffered per ForwardStream for a slow reader; beyond, its new requests get "
+            "RESOURCE_EXHAUSTED");
   double drain_timeout_s = 30;
   flags.Double("drain-timeout-s", &drain_timeout_s,
                "on SIGTERM/SIGINT: NOT_SERVING and new calls UNAVAILABLE at once, then up to this "
@@ -91,6 +95,11 @@ int main(int argc, char** argv) {
   options.batcher.max_wait = absl::Microseconds(max_wait_us);
   options.balance.refresh = absl::Seconds(qb_refresh_s);
   options.batcher.step_timeout = absl::Milliseconds(step_timeout_ms);
+  if (stream_buffer_mb < 1) {
+    std::fprintf(stderr, "moe-gateway: --stream-buffer-mb must be >= 1\n");
+    return 2;
+  }
+  options.max_stream_buffer_bytes = stream_buffer_mb << 20;
   if (!(drain_timeout_s >= 0)) {
     std::fprintf(stderr, "moe-gateway: --drain-timeout-s must be >= 0\n");
     return 2;

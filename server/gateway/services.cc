@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "proto/tensor_codec.h"
 #include "server/gateway/request_validation.h"
+#include "server/gateway/stream_outbox.h"
 #include "server/grpc_status.h"
 
 namespace moe {
@@ -15,6 +16,9 @@ namespace {
 
 using moe::v1::ForwardRequest;
 using moe::v1::ForwardResponse;
+
+// A stream stops reading requests while this many of its responses wait to be written.
+constexpr size_t kMaxQueuedStreamResponses = 1024;
 
 // Validates a request and turns it into a call for the batcher.
 absl::StatusOr<std::shared_ptr<ForwardCall>> MakeCall(Gateway& gateway,
@@ -53,6 +57,14 @@ void FillResponse(const ForwardCall& call, const ValidatedRequest& v, const Forw
   timing->set_queue_us(absl::ToInt64Microseconds(call.queue_time));
   timing->set_step_us(absl::ToInt64Microseconds(call.step_time));
   timing->set_step_tokens(static_cast<int32_t>(call.step_tokens));
+}
+
+// About what the response to a validated request takes on the wire (output and routing).
+int64_t ResponseBytes(const ValidatedRequest& v, const ForwardRequest& request) {
+  int64_t elements = 1;
+  for (int64_t d : v.input.shape) elements *= d;
+  const int64_t width = v.output_dtype == moe::v1::FP32 ? 4 : 2;
+  return elements * width + (request.return_routing() ? v.tokens * 64 : 0);
 }
 
 absl::Time DeadlineOf(const grpc::ServerContext& context) {
@@ -99,45 +111,53 @@ grpc::Status MoeServiceImpl::ForwardOnce(grpc::ServerContext* context,
 grpc::Status MoeServiceImpl::ForwardStream(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<ForwardResponse, ForwardRequest>* stream) {
-  // Requests run concurrently; each response is written when its step completes.
+  // Requests run concurrently; each response is queued when its step completes and written by
+  // the outbox's thread, so a client that stops reading never holds up a step.
   std::mutex mu;
   std::condition_variable cv;
-  int outstanding = 0;
-  bool broken = false;
-  auto write = [&](const ForwardResponse& response) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!broken && !stream->Write(response)) broken = true;
-  };
-  auto write_error = [&](const ForwardRequest& request, const absl::Status& status) {
+  int outstanding = 0;  // guarded by mu
+  StreamOutbox outbox(stream, gateway_->options().max_stream_buffer_bytes);
+  auto error_response = [](const ForwardRequest& request, const absl::Status& status) {
     ForwardResponse response;
     response.set_request_id(request.request_id());
     response.mutable_error()->set_code(static_cast<int>(status.code()));
     response.mutable_error()->set_message(std::string(status.message()));
-    write(response);
+    return response;
   };
   std::vector<std::shared_ptr<ForwardCall>> calls;
   ForwardRequest request;
-  while (stream->Read(&request)) {
+  for (;;) {
+    outbox.WaitBelow(kMaxQueuedStreamResponses);
+    if (!stream->Read(&request)) break;
     auto validated = std::make_shared<ValidatedRequest>();
     gateway_->BeginRequest();  // ended in on_done, or below when the request never runs
     auto call = MakeCall(*gateway_, request, DeadlineOf(*context), validated.get());
+    const int64_t reserved = call.ok() ? ResponseBytes(*validated, request) : 0;
+    if (call.ok()) {
+      if (absl::Status s = outbox.Admit(reserved); !s.ok()) {
+        gateway_->metrics().OnRequest(request.layer(), static_cast<int>(s.code()),
+                                      absl::ZeroDuration(), absl::ZeroDuration());
+        call = s;
+      }
+    }
     if (!call.ok()) {
       gateway_->EndRequest();
-      write_error(request, call.status());
+      outbox.Push(error_response(request, call.status()));
       continue;
     }
     auto owned_request = std::make_shared<ForwardRequest>();
     owned_request->set_request_id(request.request_id());
     owned_request->set_return_routing(request.return_routing());
-    (*call)->on_done = [&, validated, owned_request, start = absl::Now()](ForwardCall& done) {
+    (*call)->on_done = [&, validated, owned_request, reserved,
+                        start = absl::Now()](ForwardCall& done) {
       gateway_->metrics().OnRequest(done.layer, static_cast<int>(done.status.code()),
                                     absl::Now() - start, done.queue_time);
       if (done.status.ok()) {
         ForwardResponse response;
         FillResponse(done, *validated, *owned_request, &response);
-        write(response);
+        outbox.Push(std::move(response), reserved);
       } else {
-        write_error(*owned_request, done.status);
+        outbox.Push(error_response(*owned_request, done.status), reserved);
       }
       gateway_->EndRequest();
       std::lock_guard<std::mutex> lock(mu);
@@ -154,13 +174,13 @@ grpc::Status MoeServiceImpl::ForwardStream(
         --outstanding;
       }
       gateway_->EndRequest();
-      write_error(request, s);
+      outbox.Push(error_response(request, s), reserved);
       continue;
     }
     calls.push_back(*call);
   }
   // The client half-closed (or went away): finish what is in flight before returning, since
-  // the completions write to this stream.
+  // the completions use this frame (the outbox then writes what is left as it is destroyed).
   std::unique_lock<std::mutex> lock(mu);
   while (outstanding > 0) {
     if (context->IsCancelled())

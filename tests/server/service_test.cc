@@ -7,7 +7,9 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <thread>
 
@@ -489,6 +491,85 @@ TEST(ServiceTest, IdleProcessesExitWithinASecondOfSigterm) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
     EXPECT_LT(took, absl::Seconds(1)) << cluster.Logs();
   }
+}
+
+absl::Duration Percentile(std::vector<absl::Duration> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+}
+
+// Latencies of `n` sequential 64-token calls on layer 1 (all must succeed).
+std::vector<absl::Duration> CallLatencies(LocalCluster& cluster, const std::vector<float>& x,
+                                          int n) {
+  std::vector<absl::Duration> latencies;
+  for (int i = 0; i < n; ++i) {
+    const absl::Time t0 = absl::Now();
+    CallResult r = Call(cluster.stub(), 1, x, {64, 640}, absl::Seconds(10));
+    latencies.push_back(absl::Now() - t0);
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  return latencies;
+}
+
+// A ForwardStream whose client stops reading fills only its own buffer: the other callers of
+// the same layer keep their latency, and the stalled stream's later requests are refused with
+// RESOURCE_EXHAUSTED (its earlier ones are answered in full once it reads).
+TEST(ServiceTest, AStreamThatStopsReadingNeverDelaysOtherCallers) {
+  const std::string dir = TestCheckpoint("k3-mini");
+  LocalCluster cluster(ClusterOptions{dir, 2, {"--stream-buffer-mb", "1"}});
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  const auto x = RandomInput(64, 640, 41);
+  CallLatencies(cluster, x, 3);  // warm up
+  const absl::Duration before = Percentile(CallLatencies(cluster, x, 20), 0.99);
+
+  // 40 requests of 64 tokens (164 KB of fp32 output each), none of the responses read yet.
+  grpc::ClientContext stream_context;
+  stream_context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  auto stream = cluster.stub().ForwardStream(&stream_context);
+  constexpr int kStreamed = 40;
+  for (int i = 0; i < kStreamed; ++i) {
+    moe::v1::ForwardRequest request;
+    request.set_layer(1);
+    request.set_request_id(absl::StrCat("s", i));
+    request.set_output_dtype(moe::v1::FP32);
+    ASSERT_TRUE(
+        EncodeTensor(x.data(), {64, 640}, moe::v1::FP32, request.mutable_hidden_states()).ok());
+    ASSERT_TRUE(stream->Write(request));
+  }
+  ASSERT_TRUE(stream->WritesDone());
+  absl::SleepFor(absl::Milliseconds(500));  // the gateway has run them; the outbox is stuck
+
+  const absl::Duration during = Percentile(CallLatencies(cluster, x, 20), 0.99);
+  // 2x, plus 25 ms for a 2-core host's scheduling noise at these small figures.
+  EXPECT_LE(during, 2 * before + absl::Milliseconds(25))
+      << "p99 before " << before << ", with the stalled stream " << during;
+
+  // Now read: every request is answered, in full or with the precise refusal.
+  const auto want = InProcess(dir, 1).Forward(x);
+  int ok = 0, refused = 0;
+  moe::v1::ForwardResponse response;
+  while (stream->Read(&response)) {
+    if (response.has_error()) {
+      EXPECT_EQ(response.error().code(), static_cast<int>(absl::StatusCode::kResourceExhausted))
+          << response.error().message();
+      EXPECT_NE(response.error().message().find("reader is behind"), std::string::npos)
+          << response.error().message();
+      ++refused;
+    } else {
+      auto decoded = DecodeTensor(response.output());
+      ASSERT_TRUE(decoded.ok());
+      EXPECT_EQ(decoded->values, want) << response.request_id();
+      ++ok;
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(ok + refused, kStreamed);
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(refused, 1) << "a 1 MiB buffer cannot hold 40 x 164 KB";
+  std::printf(
+      "p99 of 64-token calls: %.1f ms before, %.1f ms beside the stalled stream; "
+      "stream: %d answered, %d refused\n",
+      absl::ToDoubleMilliseconds(before), absl::ToDoubleMilliseconds(during), ok, refused);
 }
 
 }  // namespace

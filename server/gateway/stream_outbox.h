@@ -1,0 +1,59 @@
+// The responses of one ForwardStream on their way to the client, written by a thread of the
+// stream's own.
+//
+// NOTES: a stream Write blocks while the client does not read (HTTP/2 flow control). Written on
+// the batcher thread, as completions once were, one client that stopped reading stalled every
+// caller of its layer. Here a completion only queues its response (never blocks); the queue's
+// bytes, with those of the requests still running, are bounded by refusing the stream's new
+// requests beyond `max_bytes` (RESOURCE_EXHAUSTED, see Admit): a slow reader costs only its
+// own requests.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "grpcpp/grpcpp.h"
+#include "moe/v1/moe.grpc.pb.h"
+
+namespace moe {
+
+class StreamOutbox {
+ public:
+  using Stream = grpc::ServerReaderWriter<moe::v1::ForwardResponse, moe::v1::ForwardRequest>;
+
+  StreamOutbox(Stream* stream, int64_t max_bytes);
+  ~StreamOutbox();  // writes what is queued unless the stream broke, then stops the writer
+  StreamOutbox(const StreamOutbox&) = delete;
+  StreamOutbox& operator=(const StreamOutbox&) = delete;
+
+  // Whether a new request whose response will take about `response_bytes` may run: its bytes
+  // are reserved, and refused (RESOURCE_EXHAUSTED) when the responses queued plus those
+  // reserved would pass `max_bytes` (one request is always admitted into an empty outbox).
+  absl::Status Admit(int64_t response_bytes);
+  // Queues a response and releases the `reserved` bytes its request was admitted with; never
+  // blocks. Dropped once the stream broke.
+  void Push(moe::v1::ForwardResponse response, int64_t reserved = 0);
+  // Blocks while more than `max_messages` responses are queued (a client that keeps sending
+  // but never reads: even its small error responses must not pile up without bound).
+  void WaitBelow(size_t max_messages);
+  bool broken() const;
+
+ private:
+  void WriteLoop();
+
+  Stream* const stream_;
+  const int64_t max_bytes_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<moe::v1::ForwardResponse> queue_;  // guarded by mu_
+  int64_t queued_bytes_ = 0;                    // guarded by mu_
+  int64_t reserved_bytes_ = 0;                  // guarded by mu_: admitted, still running
+  bool broken_ = false;                         // guarded by mu_: a Write failed
+  bool closing_ = false;                        // guarded by mu_
+  std::thread writer_;
+};
+
+}  // namespace moe
