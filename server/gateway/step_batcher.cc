@@ -26,7 +26,7 @@ StepBatcher::~StepBatcher() {
     }
     q->thread.join();
     for (auto& call : q->calls)
-      Complete(*call, absl::UnavailableError("the gateway is shutting down"));
+      if (!call->finished) Complete(*call, absl::UnavailableError("the gateway is shutting down"));
   }
 }
 
@@ -57,9 +57,10 @@ absl::Status StepBatcher::Submit(std::shared_ptr<ForwardCall> call) {
 }
 
 void StepBatcher::Run(int layer, LayerQueue* q) {
-  std::vector<std::shared_ptr<ForwardCall>> batch;
+  std::vector<std::pair<std::shared_ptr<ForwardCall>, absl::Status>> dead;
   for (;;) {
-    batch.clear();
+    std::vector<Piece> pieces;
+    dead.clear();
     {
       std::unique_lock<std::mutex> lock(q->mu);
       q->cv.wait(lock, [&] { return stop_ || !q->calls.empty(); });
@@ -70,72 +71,107 @@ void StepBatcher::Run(int layer, LayerQueue* q) {
         q->cv.wait_for(lock, absl::ToChronoNanoseconds(fill_until - absl::Now()));
       }
       if (stop_) return;
-      int64_t tokens = 0;
-      while (!q->calls.empty()) {
-        const auto& next = q->calls.front();
-        if (!batch.empty() && tokens + next->tokens > options_.max_tokens_per_step) break;
-        tokens += next->tokens;
-        q->tokens -= next->tokens;
-        queued_tokens_ -= next->tokens;
-        batch.push_back(std::move(q->calls.front()));
-        q->calls.pop_front();
-      }
+      pieces = TakeStep(q, &dead);
     }
-    RunBatch(layer, batch);
+    for (auto& [call, status] : dead) Complete(*call, status);
+    if (!pieces.empty()) RunStep(layer, pieces);
   }
 }
 
-void StepBatcher::RunBatch(int layer, std::vector<std::shared_ptr<ForwardCall>>& batch) {
+std::vector<StepBatcher::Piece> StepBatcher::TakeStep(
+    LayerQueue* q, std::vector<std::pair<std::shared_ptr<ForwardCall>, absl::Status>>* dead) {
   const absl::Time now = absl::Now();
-  // Drop calls nobody waits for any more.
-  std::vector<std::shared_ptr<ForwardCall>> live;
-  for (auto& call : batch) {
-    call->queue_time = now - call->enqueued;
+  std::vector<Piece> pieces;
+  int64_t room = options_.max_tokens_per_step;
+  while (room > 0 && !q->calls.empty()) {
+    std::shared_ptr<ForwardCall> call = std::move(q->calls.front());
+    q->calls.pop_front();
+    const int64_t left = call->tokens - call->rows_started;
+    absl::Status gone;
     if (call->cancelled) {
-      Complete(*call, absl::CancelledError("the client cancelled the request"));
+      gone = absl::CancelledError("the client cancelled the request");
     } else if (call->deadline <= now) {
-      Complete(*call, absl::DeadlineExceededError("deadline passed while queued"));
-    } else {
-      live.push_back(std::move(call));
+      gone = absl::DeadlineExceededError(call->rows_started == 0
+                                             ? "deadline passed while queued"
+                                             : "deadline passed between the request's steps");
     }
+    if (call->finished || !gone.ok()) {  // nothing of it runs any more
+      q->tokens -= left;
+      queued_tokens_ -= left;
+      if (!call->finished) {
+        call->finished = true;
+        dead->emplace_back(std::move(call), std::move(gone));
+      }
+      continue;
+    }
+    const int64_t rows = std::min(left, room);
+    pieces.push_back(Piece{call, call->rows_started, rows});
+    call->rows_started += rows;
+    room -= rows;
+    q->tokens -= rows;
+    queued_tokens_ -= rows;
+    if (call->rows_started < call->tokens) q->calls.push_back(std::move(call));  // the step is full
   }
-  if (live.empty()) return;
+  return pieces;
+}
+
+void StepBatcher::RunStep(int layer, std::vector<Piece>& pieces) {
+  const absl::Time now = absl::Now();
   const int64_t H = engine_->config().hidden_size;
   int64_t tokens = 0;
   absl::Time deadline = absl::InfinitePast();
-  for (const auto& call : live) {
-    tokens += call->tokens;
-    deadline = std::max(deadline, call->deadline);
+  for (const Piece& p : pieces) {
+    tokens += p.rows;
+    deadline = std::max(deadline, p.call->deadline);
   }
   deadline = std::min(deadline, now + options_.step_timeout);
   std::vector<float> x(tokens * H), out(tokens * H);
   int64_t offset = 0;
-  for (const auto& call : live) {
-    std::memcpy(x.data() + offset * H, call->input.data(), call->tokens * H * sizeof(float));
-    offset += call->tokens;
+  for (const Piece& p : pieces) {
+    std::memcpy(x.data() + offset * H, p.call->input.data() + p.begin * H,
+                p.rows * H * sizeof(float));
+    offset += p.rows;
   }
   Routing routing;
   const absl::Status status =
       engine_->RunStep(layer, x.data(), tokens, deadline, out.data(), &routing);
-  const absl::Duration step_time = absl::Now() - now;
+  const absl::Time end = absl::Now();
   offset = 0;
-  for (const auto& call : live) {
-    call->step_time = step_time;
-    call->step_tokens = tokens;
+  for (Piece& p : pieces) {
+    ForwardCall& call = *p.call;
+    if (p.begin == 0) {
+      call.first_step = now;
+      call.queue_time = now - call.enqueued;
+      call.output.resize(call.tokens * H);
+    }
+    call.step_time = end - call.first_step;
+    call.step_tokens = std::max(call.step_tokens, tokens);
+    ++call.steps;
     if (status.ok()) {
-      call->output.assign(out.begin() + offset * H, out.begin() + (offset + call->tokens) * H);
-      if (call->want_routing) {
+      std::memcpy(call.output.data() + p.begin * H, out.data() + offset * H,
+                  p.rows * H * sizeof(float));
+      if (call.want_routing) {
         const int k = routing.top_k;
-        call->routing.tokens = call->tokens;
-        call->routing.top_k = k;
-        call->routing.ids.assign(routing.ids.begin() + offset * k,
-                                 routing.ids.begin() + (offset + call->tokens) * k);
-        call->routing.weights.assign(routing.weights.begin() + offset * k,
-                                     routing.weights.begin() + (offset + call->tokens) * k);
+        if (p.begin == 0) {
+          call.routing.tokens = call.tokens;
+          call.routing.top_k = k;
+          call.routing.ids.resize(call.tokens * k);
+          call.routing.weights.resize(call.tokens * k);
+        }
+        std::copy(routing.ids.begin() + offset * k, routing.ids.begin() + (offset + p.rows) * k,
+                  call.routing.ids.begin() + p.begin * k);
+        std::copy(routing.weights.begin() + offset * k,
+                  routing.weights.begin() + (offset + p.rows) * k,
+                  call.routing.weights.begin() + p.begin * k);
       }
     }
-    offset += call->tokens;
-    Complete(*call, status);
+    offset += p.rows;
+    const bool last = p.begin + p.rows == call.tokens;
+    if (!status.ok() || last) {
+      call.finished = true;  // rows still queued after an error are dropped by TakeStep
+      if (!status.ok()) call.output.clear();
+      Complete(call, status);
+    }
   }
 }
 

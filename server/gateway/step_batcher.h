@@ -1,9 +1,12 @@
-// Batches concurrent requests for the same layer into one step.
+// Batches concurrent requests for the same layer into steps of at most `max_tokens_per_step`.
 //
 // One scheduler thread per served layer: it waits for the first request, then up to
-// `max_wait` for more (or until `max_tokens_per_step` tokens are queued), runs the step and
-// hands every caller its own rows back. Requests are taken in arrival order and never split.
-// Cancelled or expired requests are answered without running.
+// `max_wait` for more (or until `max_tokens_per_step` tokens are queued), fills a step from the
+// queue in order and hands every caller its own rows back. A request that does not fit the
+// step's room is split: its first rows run now, the rest goes to the back of the queue, so a
+// small request never waits behind much more than one step of a large one's tokens (head-of-
+// line blocking). Splitting changes no bit: the kernels are batch invariant. Cancelled or
+// expired requests are answered before each of their pieces, without running.
 #pragma once
 
 #include <atomic>
@@ -24,7 +27,7 @@
 namespace moe {
 
 struct BatcherOptions {
-  int64_t max_tokens_per_step = 4096;  // tokens in one step (a request is never split)
+  int64_t max_tokens_per_step = 4096;  // tokens in one step (larger requests are split)
   absl::Duration max_wait = absl::Microseconds(500);  // how long a step waits to fill up
   absl::Duration step_timeout = absl::Seconds(60);    // bound on a step's exchange with the ranks
   int64_t max_queued_tokens = 1 << 20;  // beyond this, new requests get RESOURCE_EXHAUSTED
@@ -64,13 +67,17 @@ struct ForwardCall {
 
   // Result.
   absl::Status status;
-  std::vector<float> output;  // [tokens, H]
-  Routing routing;            // this call's rows only
-  absl::Duration queue_time, step_time;
-  int64_t step_tokens = 0;
+  std::vector<float> output;             // [tokens, H]
+  Routing routing;                       // this call's rows only
+  absl::Duration queue_time, step_time;  // until its first step; from then to the end
+  int64_t step_tokens = 0;               // the largest step it was part of
+  int steps = 0;                         // steps its rows were split over
   Completion done;
 
-  absl::Time enqueued;
+  // The scheduler's own (layer thread only).
+  absl::Time enqueued, first_step;
+  int64_t rows_started = 0;  // rows handed to steps so far
+  bool finished = false;     // completed (an error may end it with rows still queued)
 };
 
 class StepBatcher {
@@ -91,8 +98,17 @@ class StepBatcher {
     int64_t tokens = 0;
     std::thread thread;
   };
+  // Rows [begin, begin + rows) of a call, in one step.
+  struct Piece {
+    std::shared_ptr<ForwardCall> call;
+    int64_t begin = 0, rows = 0;
+  };
   void Run(int layer, LayerQueue* queue);
-  void RunBatch(int layer, std::vector<std::shared_ptr<ForwardCall>>& batch);
+  // Takes the next step's pieces off the queue (q->mu held); calls that died while queued go
+  // to `dead` with their status, to be completed outside the lock.
+  std::vector<Piece> TakeStep(
+      LayerQueue* q, std::vector<std::pair<std::shared_ptr<ForwardCall>, absl::Status>>* dead);
+  void RunStep(int layer, std::vector<Piece>& pieces);
   static void Complete(ForwardCall& call, absl::Status status);
 
   GatewayEngine* engine_;

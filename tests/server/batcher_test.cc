@@ -169,6 +169,58 @@ TEST_F(BatcherTest, CancelledExpiredAndOverLimitCallsGetTheirCodes) {
   EXPECT_EQ(fine->output, InProcess(1, fine->input));
 }
 
+TEST_F(BatcherTest, RequestsLargerThanAStepAreSplitBitIdentically) {
+  BatcherOptions options;
+  options.max_wait = absl::Milliseconds(5);
+  options.max_tokens_per_step = 64;
+  StepBatcher batcher(engine_.get(), options);
+  std::vector<std::shared_ptr<ForwardCall>> calls = {
+      Call(1, 257, 11), Call(1, 3, 12), Call(2, 130, 13), Call(1, 1, 14), Call(1, 64, 15)};
+  for (auto& call : calls) ASSERT_TRUE(batcher.Submit(call).ok());
+  for (auto& call : calls) ASSERT_TRUE(call->done.WaitFor(absl::Seconds(60)));
+  for (const auto& call : calls) {
+    ASSERT_TRUE(call->status.ok()) << call->status;
+    EXPECT_LE(call->step_tokens, 64) << call->tokens;
+    EXPECT_GE(call->steps, (call->tokens + 63) / 64) << call->tokens;
+    ASSERT_EQ(call->routing.ids.size(), static_cast<size_t>(call->tokens * 2));
+    Routing want_routing;
+    auto local = LocalMoeLayer::Load(*checkpoint_, call->layer, placement_, &reference_backend_);
+    ASSERT_TRUE(local.ok());
+    std::vector<float> want(call->input.size());
+    ASSERT_TRUE((*local)
+                    ->Forward(call->input.data(), call->tokens, Precision::kBF16, want.data(),
+                              &want_routing)
+                    .ok());
+    EXPECT_EQ(call->output, want) << "layer " << call->layer << " tokens " << call->tokens;
+    EXPECT_EQ(call->routing.ids, want_routing.ids);
+    EXPECT_EQ(call->routing.weights, want_routing.weights);
+  }
+}
+
+TEST_F(BatcherTest, ASmallCallOvertakesALargeOneAfterAtMostTwoSteps) {
+  BatcherOptions options;
+  options.max_wait = absl::ZeroDuration();
+  options.max_tokens_per_step = 32;
+  StepBatcher batcher(engine_.get(), options);
+  auto large = Call(1, 640, 21);  // 20 steps of 32
+  auto small = Call(1, 1, 22);
+  ASSERT_TRUE(batcher.Submit(large).ok());
+  absl::SleepFor(absl::Milliseconds(1));  // the large one is running
+  ASSERT_TRUE(batcher.Submit(small).ok());
+  ASSERT_TRUE(small->done.WaitFor(absl::Seconds(60)));
+  ASSERT_TRUE(small->status.ok()) << small->status;
+  EXPECT_EQ(small->steps, 1);
+  // Round robin: the small call joins the step after the large call's current piece, or the
+  // one after; so the large call still has most of its rows to go.
+  const bool large_done_then = large->done.WaitFor(absl::ZeroDuration());
+  EXPECT_FALSE(large_done_then) << "the small call waited for the whole large one";
+  ASSERT_TRUE(large->done.WaitFor(absl::Seconds(60)));
+  ASSERT_TRUE(large->status.ok()) << large->status;
+  EXPECT_GE(large->steps, 20);
+  EXPECT_EQ(small->output, InProcess(1, small->input));
+  EXPECT_EQ(large->output, InProcess(1, large->input));
+}
+
 TEST_F(BatcherTest, ShutdownAnswersQueuedCalls) {
   BatcherOptions options;
   options.max_wait = absl::Seconds(30);  // nothing runs before the shutdown

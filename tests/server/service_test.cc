@@ -572,5 +572,50 @@ TEST(ServiceTest, AStreamThatStopsReadingNeverDelaysOtherCallers) {
       absl::ToDoubleMilliseconds(before), absl::ToDoubleMilliseconds(during), ok, refused);
 }
 
+// Head-of-line blocking: a 4096-token request is split into steps of --max-tokens-per-step,
+// and 1-token calls behind it wait about two such steps (the one running and the one they
+// share), not the whole request. The split request's rows stay bit-identical.
+TEST(ServiceTest, OneTokenCallsWaitAboutOneStepBehindALargeRequest) {
+  const std::string dir = TestCheckpoint("k3-mini");
+  LocalCluster cluster(
+      ClusterOptions{dir, 2, {"--max-tokens-per-step", "128", "--max-request-tokens", "4096"}});
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  const auto step = RandomInput(128, 640, 51), one = RandomInput(1, 640, 52);
+  const auto large = RandomInput(4096, 640, 53);
+  for (int i = 0; i < 2; ++i) Call(cluster.stub(), 1, step, {128, 640});  // warm up
+  std::vector<absl::Duration> step_times;
+  for (int i = 0; i < 5; ++i) {
+    const absl::Time t0 = absl::Now();
+    ASSERT_TRUE(Call(cluster.stub(), 1, step, {128, 640}).status.ok());
+    step_times.push_back(absl::Now() - t0);
+  }
+  const absl::Duration one_step = Percentile(step_times, 0.5);
+
+  // The large request (32 steps) needs a while to be encoded, sent and decoded: the small
+  // calls start once it runs.
+  BackgroundCall big(cluster, 1, large, {4096, 640}, absl::Seconds(120));
+  const absl::Time large_start = absl::Now();
+  absl::SleepFor(std::max(absl::Milliseconds(150), 8 * one_step));
+  std::vector<absl::Duration> small;
+  for (int i = 0; i < 5; ++i) {
+    const absl::Time t0 = absl::Now();
+    CallResult r = Call(cluster.stub(), 1, one, {1, 640}, absl::Seconds(60));
+    small.push_back(absl::Now() - t0);
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  const absl::Duration smalls_done = absl::Now() - large_start;
+  const CallResult& got = big.Join();
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  const absl::Duration p99 = Percentile(small, 0.99);
+  std::printf(
+      "128-token call %.1f ms; 1-token p99 beside a 4096-token request %.1f ms; the "
+      "large request took %.1f ms\n",
+      absl::ToDoubleMilliseconds(one_step), absl::ToDoubleMilliseconds(p99),
+      absl::ToDoubleMilliseconds(big.elapsed()));
+  EXPECT_LT(smalls_done, big.elapsed()) << "the small calls must run beside the large one";
+  EXPECT_LE(p99, 3 * one_step + absl::Milliseconds(30)) << "one step " << one_step;
+  EXPECT_EQ(got.output, InProcess(dir, 1).Forward(large));
+}
+
 }  // namespace
 }  // namespace moe
