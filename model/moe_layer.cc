@@ -20,8 +20,6 @@ enum GatewaySlot {
   kNormed,
   kRouted
 };
-// Workspace slots of LocalMoeLayer.
-enum LocalSlot { kInput, kExpertInput, kCombined, kRankRows, kRankPartial, kShared, kOutput };
 
 absl::StatusOr<MlpWeights> PrepareMlp(Backend* backend, const MlpWeights& host) {
   MlpWeights out;
@@ -206,69 +204,6 @@ absl::Status ExpertShard::Compute(ConstMatrixView x, const RowAssignments& rows,
 
 absl::Status RoundInput(Backend* backend, MatrixView x, Precision p) {
   return backend->Round(x, p);
-}
-
-absl::StatusOr<std::unique_ptr<LocalMoeLayer>> LocalMoeLayer::Load(const Checkpoint& checkpoint,
-                                                                   int layer,
-                                                                   const ExpertPlacement& placement,
-                                                                   Backend* backend) {
-  const MoeConfig& config = checkpoint.config();
-  if (placement.num_experts != config.routing.num_experts)
-    return absl::InvalidArgumentError(absl::StrCat("placement covers ", placement.num_experts,
-                                                   " experts, model has ",
-                                                   config.routing.num_experts));
-  std::unique_ptr<LocalMoeLayer> local(new LocalMoeLayer(backend));
-  local->placement_ = placement;
-  ASSIGN_OR_RETURN(GatewayLayerWeights gw, checkpoint.LoadGatewayLayer(layer));
-  ASSIGN_OR_RETURN(local->gateway_, GatewayLayer::Create(config, gw, backend));
-  for (int r = 0; r < placement.num_ranks(); ++r) {
-    ASSIGN_OR_RETURN(ExpertShardWeights sw,
-                     checkpoint.LoadExperts(layer, placement.rank_experts[r]));
-    ASSIGN_OR_RETURN(auto shard, ExpertShard::Create(config, sw, backend));
-    local->shards_.push_back(std::move(shard));
-  }
-  return local;
-}
-
-absl::Status LocalMoeLayer::Forward(const float* x, int64_t tokens, Precision p, float* out,
-                                    Routing* routing_out, LayerTimings* timings) {
-  const absl::Time t0 = absl::Now();
-  const MoeConfig& cfg = config();
-  const int64_t H = cfg.hidden_size, D = cfg.expert_input_size();
-  ASSIGN_OR_RETURN(MatrixView input, workspace_.Matrix(kInput, tokens, H));
-  RETURN_IF_ERROR(backend_->CopyToBackend(input.data, x, tokens * H * sizeof(float)));
-  RETURN_IF_ERROR(RoundInput(backend_, input, p));
-
-  Routing routing;
-  ASSIGN_OR_RETURN(MatrixView expert_input, workspace_.Matrix(kExpertInput, tokens, D));
-  RETURN_IF_ERROR(gateway_->Route(input, p, &routing, expert_input));
-  ASSIGN_OR_RETURN(DispatchPlan plan, DispatchPlan::Build(routing, placement_));
-  const absl::Time t_routed = absl::Now();
-
-  ASSIGN_OR_RETURN(PartialView combined, workspace_.Partial(kCombined, tokens, D));
-  RETURN_IF_ERROR(backend_->Zero(combined));
-  for (int r = 0; r < placement_.num_ranks(); ++r) {
-    const RankDispatch& rd = plan.ranks[r];
-    const int64_t m = static_cast<int64_t>(rd.token_rows.size());
-    if (m == 0) continue;
-    ASSIGN_OR_RETURN(MatrixView rows, workspace_.Matrix(kRankRows, m, D));
-    ASSIGN_OR_RETURN(PartialView partial, workspace_.Partial(kRankPartial, m, D));
-    RETURN_IF_ERROR(backend_->GatherRows(expert_input, rd.token_rows, rows));
-    RETURN_IF_ERROR(shards_[r]->Compute(rows, rd.assignments, p, partial));
-    RETURN_IF_ERROR(backend_->ScatterAddRows(partial, rd.token_rows, combined));
-  }
-
-  const absl::Time t_experts = absl::Now();
-  ASSIGN_OR_RETURN(MatrixView shared, workspace_.Matrix(kShared, tokens, H));
-  RETURN_IF_ERROR(gateway_->SharedExperts(input, p, shared));
-  const absl::Time t_shared = absl::Now();
-  ASSIGN_OR_RETURN(MatrixView output, workspace_.Matrix(kOutput, tokens, H));
-  RETURN_IF_ERROR(gateway_->Finish(combined, shared, p, output));
-  RETURN_IF_ERROR(backend_->CopyToHost(out, output.data, tokens * H * sizeof(float)));
-  if (routing_out != nullptr) *routing_out = std::move(routing);
-  if (timings != nullptr)
-    *timings = {t_routed - t0, t_experts - t_routed, t_shared - t_experts, absl::Now() - t_shared};
-  return absl::OkStatus();
 }
 
 }  // namespace moe

@@ -3,8 +3,8 @@
 //   GatewayLayer: router + top-k, latent down-projection, shared experts, and after the
 //                 combine: rounding, latent RMSNorm, up-projection, + shared.
 //   ExpertShard:  the routed experts a rank hosts; one fp64 partial sum per received row.
-//   LocalMoeLayer: both in one process with R in-process shards (moe-forward, tests, and
-//                 the baseline the service is compared with).
+// The step that joins them (route, dispatch, combine) is engine/step_engine.h, in the gateway
+// and in process alike (engine/local_layer.h).
 #pragma once
 
 #include <memory>
@@ -99,35 +99,5 @@ class ExpertShard {
 
 // In bf16 mode the layer input is rounded to bf16 first (DESIGN.md: per token x is bf16).
 absl::Status RoundInput(Backend* backend, MatrixView x, Precision p);
-
-// Where one in-process forward spent its time (benchmarks).
-struct LayerTimings {
-  absl::Duration route, experts, shared, finish;
-};
-
-class LocalMoeLayer {
- public:
-  // Loads layer `layer` of `checkpoint` with its experts split over `placement` (in-process).
-  static absl::StatusOr<std::unique_ptr<LocalMoeLayer>> Load(const Checkpoint& checkpoint,
-                                                             int layer,
-                                                             const ExpertPlacement& placement,
-                                                             Backend* backend);
-
-  // out = layer(x) for host arrays x, out: [tokens, H]. routing (optional) receives the
-  // router's choices.
-  absl::Status Forward(const float* x, int64_t tokens, Precision p, float* out,
-                       Routing* routing = nullptr, LayerTimings* timings = nullptr);
-
-  const MoeConfig& config() const { return gateway_->config(); }
-  GatewayLayer& gateway() { return *gateway_; }
-
- private:
-  LocalMoeLayer(Backend* backend) : backend_(backend), workspace_(backend) {}
-  Backend* backend_;
-  ExpertPlacement placement_;
-  std::unique_ptr<GatewayLayer> gateway_;
-  std::vector<std::unique_ptr<ExpertShard>> shards_;
-  Workspace workspace_;
-};
 
 }  // namespace moe

@@ -25,7 +25,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/tiers.h"
 #include "model/checkpoint.h"
-#include "model/moe_layer.h"
+#include "engine/local_layer.h"
 #include "tools/bench/probes.h"
 #include "tools/bench/roofline.h"
 

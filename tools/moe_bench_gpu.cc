@@ -40,7 +40,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_status.h"
 #include "model/checkpoint.h"
-#include "model/moe_layer.h"
+#include "engine/local_layer.h"
 
 namespace moe {
 namespace {

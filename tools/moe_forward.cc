@@ -13,7 +13,7 @@
 #include "core/status.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "model/moe_layer.h"
+#include "engine/local_layer.h"
 
 namespace moe {
 namespace {

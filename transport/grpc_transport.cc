@@ -242,13 +242,7 @@ absl::Status GrpcGatewayTransport::Collect(
   for (size_t i = 0; i < results.size(); ++i) {
     const StepResult& r = results[i];
     const int rank = dispatch.parts[i].rank;
-    if (r.code() != 0) {
-      // A rank's internal failure is the service's unavailability; its other errors pass through.
-      const auto code = static_cast<absl::StatusCode>(r.code());
-      return absl::Status(
-          code == absl::StatusCode::kInternal ? absl::StatusCode::kUnavailable : code,
-          absl::StrCat("rank ", rank, ": ", r.error()));
-    }
+    if (r.code() != 0) return RankFailure(rank, static_cast<absl::StatusCode>(r.code()), r.error());
     const int64_t rows = dispatch.parts[i].rows.rows, width = dispatch.parts[i].rows.cols;
     const size_t bytes = rows * width * sizeof(double);
     if (r.partial().size() != bytes)

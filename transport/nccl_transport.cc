@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <thread>
 
@@ -292,6 +293,7 @@ struct NcclGatewayTransport::State {
 
   bool in_flight = false;
   uint64_t in_flight_step = 0;
+  std::condition_variable slot_free;  // in_flight went false (or the transport stopped)
   bool shut_down = false;
   Comm comm;  // last: destroyed (aborted if still alive) before the buffers it may use
 
@@ -325,6 +327,7 @@ struct NcclGatewayTransport::State {
   absl::Status Drain() {
     if (!in_flight) return absl::OkStatus();
     in_flight = false;
+    slot_free.notify_all();
     return comm.WaitStream(absl::Now() + options.drain_timeout, nullptr);
   }
 };
@@ -368,12 +371,12 @@ bool NcclGatewayTransport::broken() const {
 
 absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
   State& st = *state_;
-  std::lock_guard<std::mutex> lock(st.mu);
+  std::unique_lock<std::mutex> lock(st.mu);
+  // One step on the wire at a time (the buffers are per peer): a step of another layer waits
+  // here until the one in flight is collected or abandoned, which its own deadline bounds.
+  st.slot_free.wait(lock, [&] { return !st.in_flight || st.shut_down || st.comm.broken(); });
   if (st.shut_down) return absl::FailedPreconditionError("NCCL transport was shut down");
   if (st.comm.broken()) return st.comm.BrokenStatus();
-  if (st.in_flight)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", st.in_flight_step, " is still in flight: Collect or Abandon it first"));
   // Validate everything before the first byte moves.
   const int R = st.R();
   const bool bf16 = dispatch.precision == Precision::kBF16;
@@ -532,6 +535,7 @@ absl::Status NcclGatewayTransport::Collect(
   cuda::ScopedDevice guard(st.device);
   CUDA_RETURN_IF_ERROR(guard.status());
   st.in_flight = false;
+  st.slot_free.notify_all();  // the next Send waits for st.mu, i.e. the end of this Collect
   const absl::Status waited = st.comm.WaitStream(deadline, nullptr);
   if (absl::IsDeadlineExceeded(waited))
     return absl::DeadlineExceededError(absl::StrCat("step ", dispatch.step_id,
@@ -552,12 +556,7 @@ absl::Status NcclGatewayTransport::Collect(
     if (h.code != 0) {
       const auto code = static_cast<absl::StatusCode>(h.code);
       const std::string message(h.message, strnlen(h.message, sizeof(h.message)));
-      // Internal failures of a rank make it unavailable for this step; its own errors
-      // (bad layer, resource limits) keep their code.
-      if (code == absl::StatusCode::kInternal || code == absl::StatusCode::kUnknown ||
-          code == absl::StatusCode::kDataLoss)
-        return absl::UnavailableError(absl::StrCat("rank ", part.rank, ": ", message));
-      return absl::Status(code, absl::StrCat("rank ", part.rank, ": ", message));
+      return RankFailure(part.rank, code, message);
     }
   }
   for (size_t i = 0; i < dispatch.parts.size(); ++i) {
@@ -590,6 +589,7 @@ absl::Status NcclGatewayTransport::Shutdown() {
   std::lock_guard<std::mutex> lock(st.mu);
   if (st.shut_down) return absl::OkStatus();
   st.shut_down = true;
+  st.slot_free.notify_all();
   if (st.comm.broken()) return absl::OkStatus();
   cuda::ScopedDevice guard(st.device);
   CUDA_RETURN_IF_ERROR(guard.status());

@@ -20,6 +20,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "model/dispatch.h"
@@ -45,6 +47,20 @@ struct RankStepStats {
   int64_t compute_us = 0;
   int active_experts = 0;  // distinct local experts touched
 };
+
+// The caller's status for a rank's failed step, the same in every transport: a rank's internal
+// failure (INTERNAL, UNKNOWN, DATA_LOSS: a fault of that process, not of the request) makes the
+// service UNAVAILABLE for the step, so clients may retry elsewhere; any other code (the rank
+// found the request bad, ran out of memory, ...) passes through. The message names the rank.
+inline absl::Status RankFailure(int rank, absl::StatusCode code, absl::string_view message) {
+  const bool fault = code == absl::StatusCode::kInternal || code == absl::StatusCode::kUnknown ||
+                     code == absl::StatusCode::kDataLoss;
+  return absl::Status(fault ? absl::StatusCode::kUnavailable : code,
+                      absl::StrCat("rank ", rank, ": ", message));
+}
+inline absl::Status RankFailure(int rank, const absl::Status& status) {
+  return RankFailure(rank, status.code(), status.message());
+}
 
 class GatewayTransport {
  public:

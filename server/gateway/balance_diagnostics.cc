@@ -8,7 +8,7 @@
 
 namespace moe {
 
-BalanceDiagnostics::BalanceDiagnostics(GatewayEngine* engine, GatewayMetrics* metrics,
+BalanceDiagnostics::BalanceDiagnostics(StepEngine* engine, GatewayMetrics* metrics,
                                        const BalanceOptions& options)
     : engine_(engine), metrics_(metrics), options_(options) {
   auto& registry = *metrics_->registry();

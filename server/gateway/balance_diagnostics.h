@@ -19,7 +19,7 @@
 #include "model/load_balance.h"
 #include "moe/v1/moe.pb.h"
 #include "prometheus/gauge.h"
-#include "server/gateway/gateway_engine.h"
+#include "engine/step_engine.h"
 #include "server/metrics/gateway_metrics.h"
 
 namespace moe {
@@ -33,7 +33,7 @@ struct BalanceOptions {
 
 class BalanceDiagnostics {
  public:
-  BalanceDiagnostics(GatewayEngine* engine, GatewayMetrics* metrics, const BalanceOptions& options);
+  BalanceDiagnostics(StepEngine* engine, GatewayMetrics* metrics, const BalanceOptions& options);
   ~BalanceDiagnostics();
 
   absl::StatusOr<moe::v1::LoadBalanceReport> Report(int layer);
@@ -50,7 +50,7 @@ class BalanceDiagnostics {
   void AddScores(int layer, const std::vector<float>& scores, int64_t tokens);
   absl::StatusOr<QuantileBalanceResult> ComputeQuantileBalance(int layer);
 
-  GatewayEngine* engine_;
+  StepEngine* engine_;
   GatewayMetrics* metrics_;
   BalanceOptions options_;
   std::map<int, std::vector<float>> checkpoint_bias_;

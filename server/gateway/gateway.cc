@@ -82,7 +82,7 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
     ASSIGN_OR_RETURN(gateway->nccl_unique_id_, plugin->new_nccl_unique_id());
   }
   ASSIGN_OR_RETURN(gateway->engine_,
-                   GatewayEngine::Create(*gateway->checkpoint_, layers, std::move(placement),
+                   StepEngine::Create(*gateway->checkpoint_, layers, std::move(placement),
                                          options.precision, gateway->backend_.get(), steps));
   gateway->metrics_ = std::make_unique<GatewayMetrics>(
       config, gateway->engine_->layers(), gateway->engine_->placement(), options.metrics);

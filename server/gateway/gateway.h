@@ -22,7 +22,7 @@
 #include "model/checkpoint.h"
 #include "server/gateway/balance_diagnostics.h"
 #include "server/gateway/deferred_transport.h"
-#include "server/gateway/gateway_engine.h"
+#include "engine/step_engine.h"
 #include "server/gateway/step_batcher.h"
 #include "server/metrics/gateway_metrics.h"
 #include "transport/grpc_transport.h"
@@ -96,7 +96,7 @@ class Gateway {
   std::string ReadinessMessage() const;  // "3 of 4 ranks up" when not ready
   const GatewayOptions& options() const { return options_; }
   const Checkpoint& checkpoint() const { return *checkpoint_; }
-  GatewayEngine& engine() { return *engine_; }
+  StepEngine& engine() { return *engine_; }
   StepBatcher& batcher() { return *batcher_; }
   GrpcGatewayTransport& grpc_transport() { return *transport_; }
   GatewayMetrics& metrics() { return *metrics_; }
@@ -140,7 +140,7 @@ class Gateway {
   std::string nccl_unique_id_;
   std::shared_ptr<LateCallback> nccl_callback_ = std::make_shared<LateCallback>();
   std::unique_ptr<GrpcGatewayTransport> transport_;
-  std::unique_ptr<GatewayEngine> engine_;
+  std::unique_ptr<StepEngine> engine_;
   std::unique_ptr<GatewayMetrics> metrics_;
   std::unique_ptr<BalanceDiagnostics> diagnostics_;
   std::unique_ptr<StepBatcher> batcher_;

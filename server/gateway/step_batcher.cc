@@ -7,7 +7,7 @@
 
 namespace moe {
 
-StepBatcher::StepBatcher(GatewayEngine* engine, const BatcherOptions& options)
+StepBatcher::StepBatcher(StepEngine* engine, const BatcherOptions& options)
     : engine_(engine), options_(options) {
   for (int layer : engine_->layers()) {
     auto queue = std::make_unique<LayerQueue>();

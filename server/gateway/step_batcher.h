@@ -22,7 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "model/dispatch.h"
-#include "server/gateway/gateway_engine.h"
+#include "engine/step_engine.h"
 
 namespace moe {
 
@@ -82,7 +82,7 @@ struct ForwardCall {
 
 class StepBatcher {
  public:
-  StepBatcher(GatewayEngine* engine, const BatcherOptions& options);
+  StepBatcher(StepEngine* engine, const BatcherOptions& options);
   ~StepBatcher();  // answers queued calls with UNAVAILABLE and joins the threads
 
   // Queues a call (its layer must be served). Fails fast with RESOURCE_EXHAUSTED when the
@@ -111,7 +111,7 @@ class StepBatcher {
   void RunStep(int layer, std::vector<Piece>& pieces);
   static void Complete(ForwardCall& call, absl::Status status);
 
-  GatewayEngine* engine_;
+  StepEngine* engine_;
   BatcherOptions options_;
   std::map<int, std::unique_ptr<LayerQueue>> queues_;
   std::atomic<bool> stop_{false};

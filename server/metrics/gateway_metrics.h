@@ -19,7 +19,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "server/gateway/gateway_engine.h"
+#include "engine/step_engine.h"
 #include "server/metrics/exposer.h"
 
 namespace moe {

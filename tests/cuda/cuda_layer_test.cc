@@ -24,7 +24,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "model/checkpoint.h"
-#include "model/moe_layer.h"
+#include "engine/local_layer.h"
 #include "model/synthetic.h"
 #include "tests/cuda/cuda_test_util.h"
 

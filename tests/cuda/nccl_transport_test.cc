@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -264,7 +265,8 @@ TEST_F(NcclTransportTest, StepsErrorsEmptyStepsAndShutdown) {
     EXPECT_NE(st.message().find("layer 99"), absl::string_view::npos) << st;
     EXPECT_EQ(calls, 0);
   }
-  // Sending twice without collecting is refused (and harmless).
+  // A second step (another layer's, from another thread) waits for the one in flight instead
+  // of failing, and goes once that one is abandoned (or collected).
   {
     StepData e = MakeStep(backend_.get(), 3, 64, true);
     StepDispatch d;
@@ -273,12 +275,24 @@ TEST_F(NcclTransportTest, StepsErrorsEmptyStepsAndShutdown) {
     d.precision = Precision::kBF16;
     d.parts.push_back({0, e.device->View(e.n, e.width, e.stride), &e.assignments});
     ASSERT_TRUE(gateway_->Send(d).ok());
-    EXPECT_EQ(gateway_->Send(d).code(), absl::StatusCode::kFailedPrecondition);
+    StepDispatch next = d;
+    next.step_id = 7;
+    std::atomic<bool> returned{false};
+    absl::Status second;
+    std::thread other([&] {
+      second = gateway_->Send(next);
+      returned = true;
+    });
+    absl::SleepFor(absl::Milliseconds(200));
+    EXPECT_FALSE(returned.load()) << "the second step must wait for the first";
     gateway_->Abandon(6);  // drains the step
+    other.join();
+    EXPECT_TRUE(second.ok()) << second;
+    gateway_->Abandon(7);
     EXPECT_FALSE(gateway_->broken());
   }
-  ExchangeAndCheck(7, Precision::kBF16, a);  // odd step: the rank replies from a strided view
-  ExchangeAndCheck(8, Precision::kBF16, a);
+  ExchangeAndCheck(9, Precision::kBF16, a);  // odd step: the rank replies from a strided view
+  ExchangeAndCheck(10, Precision::kBF16, a);
   EXPECT_TRUE(gateway_->Shutdown().ok());
 }
 

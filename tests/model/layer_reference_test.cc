@@ -23,7 +23,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "model/moe_layer.h"
+#include "engine/local_layer.h"
 #include "model/synthetic.h"
 #include "tests/testing/test_checkpoints.h"
 

@@ -12,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "model/moe_layer.h"
+#include "engine/local_layer.h"
 #include "tests/kernels/tier_checks.h"
 #include "tests/kernels/tier_testing.h"
 #include "tests/testing/test_checkpoints.h"

@@ -1,5 +1,5 @@
 // The gateway's concurrent core without gRPC (so ThreadSanitizer sees all of it): StepBatcher
-// and GatewayEngine over an in-process transport whose "ranks" are ExpertShards. Concurrent
+// and StepEngine over the loopback transport, whose "ranks" are ExpertShards. Concurrent
 // callers on several layers must each get exactly the in-process layer's output for their own
 // rows; cancelled, expired and over-limit calls get their codes.
 #include <atomic>
@@ -10,80 +10,34 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "engine/local_layer.h"
+#include "engine/step_engine.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "model/moe_layer.h"
-#include "server/gateway/gateway_engine.h"
 #include "server/gateway/step_batcher.h"
 #include "tests/testing/test_checkpoints.h"
+#include "transport/loopback_transport.h"
 
 namespace moe {
 namespace {
-
-// Ranks as in-process ExpertShards; steps are computed in Collect, in rank order.
-class LocalTransport final : public GatewayTransport {
- public:
-  LocalTransport(const Checkpoint& checkpoint, const ExpertPlacement& placement)
-      : backend_(CpuBackendOptions{1, ""}) {
-    for (int layer : checkpoint.layers())
-      for (int r = 0; r < placement.num_ranks(); ++r) {
-        auto weights = checkpoint.LoadExperts(layer, placement.rank_experts[r]);
-        EXPECT_TRUE(weights.ok());
-        shards_[{layer, r}] =
-            std::move(*ExpertShard::Create(checkpoint.config(), *weights, &backend_));
-      }
-  }
-  std::string name() const override { return "local"; }
-  absl::Status Send(const StepDispatch& dispatch) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    sent_.insert(dispatch.step_id);
-    return absl::OkStatus();
-  }
-  absl::Status Collect(const StepDispatch& dispatch, absl::Time deadline,
-                       const std::function<absl::Status(size_t, ConstPartialView,
-                                                        const RankStepStats&)>& consume) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (sent_.erase(dispatch.step_id) != 1) return absl::InternalError("collect without send");
-    }
-    for (size_t i = 0; i < dispatch.parts.size(); ++i) {
-      const RankPart& part = dispatch.parts[i];
-      std::vector<double> partial(part.rows.rows * part.rows.cols);
-      PartialView view(partial.data(), part.rows.rows, part.rows.cols, part.rows.cols);
-      ExpertShard* shard;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        shard = shards_.at({dispatch.layer, part.rank}).get();
-      }
-      std::lock_guard<std::mutex> compute(compute_mu_);  // one shard at a time, like one process
-      if (absl::Status s = shard->Compute(part.rows, *part.assignments, dispatch.precision, view);
-          !s.ok())
-        return s;
-      if (absl::Status s = consume(i, view, RankStepStats{}); !s.ok()) return s;
-    }
-    return absl::OkStatus();
-  }
-  void Abandon(uint64_t step_id) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    sent_.erase(step_id);
-  }
-
- private:
-  CpuBackend backend_;
-  std::mutex mu_, compute_mu_;
-  std::set<uint64_t> sent_;
-  std::map<std::pair<int, int>, std::unique_ptr<ExpertShard>> shards_;
-};
 
 class BatcherTest : public ::testing::Test {
  protected:
   void SetUp() override {
     checkpoint_ = std::move(*Checkpoint::Open(testing::TestCheckpoint("k3-mini")));
     placement_ = ExpertPlacement::Contiguous(checkpoint_->config().routing.num_experts, 3);
-    transport_ = std::make_unique<LocalTransport>(*checkpoint_, placement_);
-    auto engine = GatewayEngine::Create(*checkpoint_, checkpoint_->layers(), placement_,
-                                        Precision::kBF16, &backend_, transport_.get());
+    transport_ = std::make_unique<LoopbackTransport>(&shard_backend_);
+    for (int layer : checkpoint_->layers())
+      for (int r = 0; r < placement_.num_ranks(); ++r) {
+        auto weights = checkpoint_->LoadExperts(layer, placement_.rank_experts[r]);
+        ASSERT_TRUE(weights.ok());
+        auto shard = ExpertShard::Create(checkpoint_->config(), *weights, &shard_backend_);
+        ASSERT_TRUE(shard.ok());
+        transport_->AddShard(r, std::move(*shard));
+      }
+    auto engine = StepEngine::Create(*checkpoint_, checkpoint_->layers(), placement_,
+                                     Precision::kBF16, &backend_, transport_.get());
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = std::move(*engine);
   }
@@ -112,8 +66,9 @@ class BatcherTest : public ::testing::Test {
   CpuBackend reference_backend_{CpuBackendOptions{1, ""}};
   std::unique_ptr<Checkpoint> checkpoint_;
   ExpertPlacement placement_;
-  std::unique_ptr<LocalTransport> transport_;
-  std::unique_ptr<GatewayEngine> engine_;
+  CpuBackend shard_backend_{CpuBackendOptions{1, ""}};
+  std::unique_ptr<LoopbackTransport> transport_;
+  std::unique_ptr<StepEngine> engine_;
 };
 
 TEST_F(BatcherTest, ConcurrentCallersOnSeveralLayersGetTheirOwnRows) {

@@ -18,7 +18,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "model/moe_layer.h"
+#include "engine/local_layer.h"
 #include "proto/tensor_codec.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/test_checkpoints.h"

@@ -1,4 +1,4 @@
-#include "server/gateway/gateway_engine.h"
+#include "engine/step_engine.h"
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
@@ -11,10 +11,10 @@ enum Slot { kInput, kExpertInput, kShared, kCombined, kOutput, kRankRows };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GatewayEngine>> GatewayEngine::Create(
+absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(
     const Checkpoint& checkpoint, const std::vector<int>& layers, ExpertPlacement placement,
     Precision precision, Backend* backend, GatewayTransport* transport) {
-  std::unique_ptr<GatewayEngine> engine(new GatewayEngine());
+  std::unique_ptr<StepEngine> engine(new StepEngine());
   engine->config_ = checkpoint.config();
   engine->precision_ = precision;
   engine->placement_ = std::move(placement);
@@ -35,25 +35,25 @@ absl::StatusOr<std::unique_ptr<GatewayEngine>> GatewayEngine::Create(
   return engine;
 }
 
-std::vector<int> GatewayEngine::layers() const {
+std::vector<int> StepEngine::layers() const {
   std::vector<int> out;
   for (const auto& [layer, state] : layers_) out.push_back(layer);
   return out;
 }
 
-GatewayLayer* GatewayEngine::layer(int index) {
+GatewayLayer* StepEngine::layer(int index) {
   auto it = layers_.find(index);
   return it == layers_.end() ? nullptr : it->second->math.get();
 }
 
-std::vector<float> GatewayEngine::RouterBias(int layer) {
+std::vector<float> StepEngine::RouterBias(int layer) {
   auto it = layers_.find(layer);
   if (it == layers_.end()) return {};
   std::lock_guard<std::mutex> lock(it->second->bias_mu);
   return it->second->bias;
 }
 
-absl::Status GatewayEngine::SetRouterBias(int layer, std::vector<float> bias) {
+absl::Status StepEngine::SetRouterBias(int layer, std::vector<float> bias) {
   auto it = layers_.find(layer);
   if (it == layers_.end())
     return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
@@ -66,8 +66,9 @@ absl::Status GatewayEngine::SetRouterBias(int layer, std::vector<float> bias) {
   return absl::OkStatus();
 }
 
-absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, absl::Time deadline,
-                                    float* out, Routing* routing_out) {
+absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x, int64_t tokens,
+                                 absl::Time deadline, float* out, Routing* routing_out,
+                                 StepStats* stats_out) {
   auto it = layers_.find(layer);
   if (it == layers_.end())
     return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
@@ -92,13 +93,13 @@ absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, a
   // Route and project.
   ASSIGN_OR_RETURN(MatrixView input, ws.Matrix(kInput, tokens, H));
   RETURN_IF_ERROR(backend_->CopyToBackend(input.data, x, tokens * H * sizeof(float)));
-  RETURN_IF_ERROR(RoundInput(backend_, input, precision_));
+  RETURN_IF_ERROR(RoundInput(backend_, input, precision));
   Routing routing;
   std::vector<float> scores;
   const bool want_scores = observer_ != nullptr && observer_->WantsRouterScores();
   ASSIGN_OR_RETURN(MatrixView expert_input, ws.Matrix(kExpertInput, tokens, D));
-  RETURN_IF_ERROR(state.math->Route(input, precision_, &routing, expert_input,
-                                    want_scores ? &scores : nullptr));
+  RETURN_IF_ERROR(
+      state.math->Route(input, precision, &routing, expert_input, want_scores ? &scores : nullptr));
   ASSIGN_OR_RETURN(DispatchPlan plan, DispatchPlan::Build(routing, placement_));
   const absl::Time t_routed = absl::Now();
 
@@ -106,12 +107,12 @@ absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, a
   StepDispatch dispatch;
   dispatch.step_id = stats.step_id;
   dispatch.layer = layer;
-  dispatch.precision = precision_;
+  dispatch.precision = precision;
   stats.rank_rows.assign(R, 0);
   stats.rank_active_experts.assign(R, 0);
   stats.rank_bytes_sent.assign(R, 0);
   stats.rank_bytes_received.assign(R, 0);
-  const size_t row_bytes = D * (precision_ == Precision::kBF16 ? 2 : 4);
+  const size_t row_bytes = D * (precision == Precision::kBF16 ? 2 : 4);
   for (int r = 0; r < R; ++r) {
     const RankDispatch& rd = plan.ranks[r];
     const int64_t m = static_cast<int64_t>(rd.token_rows.size());
@@ -129,7 +130,9 @@ absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, a
   // The shared experts run while the ranks compute.
   ASSIGN_OR_RETURN(MatrixView shared, ws.Matrix(kShared, tokens, H));
   ASSIGN_OR_RETURN(PartialView combined, ws.Partial(kCombined, tokens, D));
-  if (status.ok()) status = state.math->SharedExperts(input, precision_, shared);
+  const absl::Time t_shared_start = absl::Now();
+  if (status.ok()) status = state.math->SharedExperts(input, precision, shared);
+  stats.shared = absl::Now() - t_shared_start;
   if (status.ok()) status = backend_->Zero(combined);
   absl::Time t_collected = absl::Now();
   if (status.ok()) {
@@ -151,7 +154,7 @@ absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, a
   }
 
   ASSIGN_OR_RETURN(MatrixView output, ws.Matrix(kOutput, tokens, H));
-  RETURN_IF_ERROR(state.math->Finish(combined, shared, precision_, output));
+  RETURN_IF_ERROR(state.math->Finish(combined, shared, precision, output));
   RETURN_IF_ERROR(backend_->CopyToHost(out, output.data, tokens * H * sizeof(float)));
   const absl::Time t_done = absl::Now();
 
@@ -165,6 +168,11 @@ absl::Status GatewayEngine::RunStep(int layer, const float* x, int64_t tokens, a
   stats.routing = &routing;
   if (want_scores) stats.router_scores = &scores;
   if (observer_ != nullptr) observer_->OnStep(stats);
+  if (stats_out != nullptr) {
+    *stats_out = stats;
+    stats_out->routing = nullptr;
+    stats_out->router_scores = nullptr;
+  }
   if (routing_out != nullptr) *routing_out = std::move(routing);
   return absl::OkStatus();
 }

@@ -1,4 +1,6 @@
-// The gateway's step: the layer math of model/moe_layer.h with the experts behind a transport.
+// The step engine: the layer math of model/moe_layer.h with the experts behind a transport,
+// written once for the gateway (gRPC or NCCL ranks) and for one process (LocalMoeLayer over
+// the loopback transport).
 //
 //   route + down-projection -> dispatch (rank dedup) -> shared experts while the ranks work
 //   -> combine the ranks' fp64 partials in rank order -> round, RMSNorm, up-projection, + shared
@@ -25,7 +27,9 @@ struct StepStats {
   int layer = 0;
   uint64_t step_id = 0;
   int64_t tokens = 0;
-  absl::Duration route, dispatch, expert_compute, combine, finish, total;
+  // expert_compute: from Send to the last partial (the ranks' compute and the exchange, with
+  // `shared` overlapping it).
+  absl::Duration route, dispatch, expert_compute, shared, combine, finish, total;
   std::vector<int64_t> rank_rows;        // token rows sent to each rank
   std::vector<int> rank_active_experts;  // distinct local experts each rank used
   std::vector<int64_t> rank_bytes_sent;  // row bytes on the wire to each rank
@@ -43,12 +47,14 @@ class StepObserver {
   virtual bool WantsRouterScores() const { return false; }
 };
 
-class GatewayEngine {
+class StepEngine {
  public:
   // Loads the gateway tensors of `layers` and prepares them on `backend`.
-  static absl::StatusOr<std::unique_ptr<GatewayEngine>> Create(
-      const Checkpoint& checkpoint, const std::vector<int>& layers, ExpertPlacement placement,
-      Precision precision, Backend* backend, GatewayTransport* transport);
+  static absl::StatusOr<std::unique_ptr<StepEngine>> Create(const Checkpoint& checkpoint,
+                                                            const std::vector<int>& layers,
+                                                            ExpertPlacement placement,
+                                                            Precision precision, Backend* backend,
+                                                            GatewayTransport* transport);
 
   const MoeConfig& config() const { return config_; }
   Precision precision() const { return precision_; }
@@ -63,10 +69,16 @@ class GatewayEngine {
   absl::Status SetRouterBias(int layer, std::vector<float> bias);
   void SetObserver(StepObserver* observer) { observer_ = observer; }
 
-  // One step over host arrays x, out: [tokens, H]. Thread-safe; steps of one layer run one
-  // at a time, steps of different layers may overlap.
+  // One step over host arrays x, out: [tokens, H], in the engine's precision. Thread-safe;
+  // steps of one layer run one at a time, steps of different layers may overlap.
   absl::Status RunStep(int layer, const float* x, int64_t tokens, absl::Time deadline, float* out,
-                       Routing* routing);
+                       Routing* routing) {
+    return RunStep(layer, precision_, x, tokens, deadline, out, routing);
+  }
+  // The same in precision `p`; `stats` (optional) receives the step's figures (its routing and
+  // score pointers are cleared: they do not outlive the step).
+  absl::Status RunStep(int layer, Precision p, const float* x, int64_t tokens, absl::Time deadline,
+                       float* out, Routing* routing, StepStats* stats = nullptr);
 
  private:
   struct LayerState {
@@ -77,7 +89,7 @@ class GatewayEngine {
     std::vector<float> bias;    // guarded by bias_mu: the newest bias
     bool bias_pending = false;  // guarded by bias_mu: `bias` not installed in `math` yet
   };
-  GatewayEngine() = default;
+  StepEngine() = default;
 
   MoeConfig config_;
   Precision precision_ = Precision::kBF16;

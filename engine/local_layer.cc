@@ -1,0 +1,44 @@
+#include "engine/local_layer.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+namespace moe {
+
+absl::StatusOr<std::unique_ptr<LocalMoeLayer>> LocalMoeLayer::Load(const Checkpoint& checkpoint,
+                                                                   int layer,
+                                                                   const ExpertPlacement& placement,
+                                                                   Backend* backend) {
+  const MoeConfig& config = checkpoint.config();
+  if (placement.num_experts != config.routing.num_experts)
+    return absl::InvalidArgumentError(absl::StrCat("placement covers ", placement.num_experts,
+                                                   " experts, model has ",
+                                                   config.routing.num_experts));
+  std::unique_ptr<LocalMoeLayer> local(new LocalMoeLayer(backend));
+  local->layer_ = layer;
+  for (int r = 0; r < placement.num_ranks(); ++r) {
+    ASSIGN_OR_RETURN(ExpertShardWeights weights,
+                     checkpoint.LoadExperts(layer, placement.rank_experts[r]));
+    ASSIGN_OR_RETURN(auto shard, ExpertShard::Create(config, weights, backend));
+    local->transport_.AddShard(r, std::move(shard));
+  }
+  // The engine's own precision is unused: Forward names one per call.
+  ASSIGN_OR_RETURN(local->engine_,
+                   StepEngine::Create(checkpoint, {layer}, placement, Precision::kBF16, backend,
+                                      &local->transport_));
+  return local;
+}
+
+absl::Status LocalMoeLayer::Forward(const float* x, int64_t tokens, Precision p, float* out,
+                                    Routing* routing, LayerTimings* timings) {
+  StepStats stats;
+  RETURN_IF_ERROR(
+      engine_->RunStep(layer_, p, x, tokens, absl::InfiniteFuture(), out, routing, &stats));
+  // Loopback computes the shards inside Collect, after the shared experts.
+  if (timings != nullptr)
+    *timings = {stats.route, stats.dispatch + stats.expert_compute - stats.shared, stats.shared,
+                stats.finish};
+  return absl::OkStatus();
+}
+
+}  // namespace moe
