@@ -11,6 +11,16 @@
 //   Collect(...)     waits for one fp64 partial sum per row from every rank that got rows,
 //                    and hands them over in ascending rank order.
 // A rank's view: Receive() the next step, compute, Reply() with the partial sums.
+//
+// The contract every implementation keeps (tests/transport/conformance_test.cc checks loopback
+// and gRPC; tests/cuda/nccl_transport_test.cc NCCL on the CUDA emulator):
+//   - Steps of different layers may be in flight at once, one caller thread per layer: none
+//     fails because another is in flight (Send may wait for the wire: NCCL has one step on it).
+//   - Partials reach `consume` in ascending rank order, exactly as the rank computed them.
+//   - Collect fails DEADLINE_EXCEEDED once `deadline` passes, UNAVAILABLE naming the rank when a
+//     rank that got rows goes away (dies, or stays silent for the liveness timeout:
+//     stream_liveness.h), and RankFailure(rank, its error) when a rank reports one.
+//   - Abandon(step) after a failure: the step's late results are dropped, later steps work.
 #pragma once
 
 #include <cstdint>

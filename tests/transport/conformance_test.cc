@@ -1,0 +1,379 @@
+// The transport contract (transport/transport.h), one suite for every implementation:
+//   loopback  the in-process ranks LocalMoeLayer uses;
+//   grpc      GrpcGatewayTransport and real GrpcRankTransports over a gRPC server on
+//             loopback, each rank on a thread of its own with its own channel.
+// (NCCL keeps its own suite, tests/cuda/nccl_transport_test.cc on the CUDA emulator, since it
+// needs the emulated communicator; its Send waits for a step in flight as this suite requires.)
+//
+// Each rank computes with a real ExpertShard of k3-mini (64 experts over 3 ranks: 22/21/21);
+// every partial handed to Collect's consumer must equal, bit for bit, the same shard run
+// directly on the same rows. Ranks can be made slow, made to fail with a code, or taken away.
+#include <atomic>
+#include <map>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/numerics.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "model/checkpoint.h"
+#include "model/moe_layer.h"
+#include "tests/testing/test_checkpoints.h"
+#include "transport/grpc_transport.h"
+#include "transport/loopback_transport.h"
+
+namespace moe {
+namespace {
+
+constexpr int kRanks = 3;
+
+// How a rank misbehaves; set by the test, read by the rank for each step.
+struct RankBehavior {
+  std::atomic<int> delay_ms{0};
+  std::atomic<int> fail_code{0};  // absl::StatusCode to reply with; 0 = compute
+  std::atomic<bool> gone{false};  // loopback: the rank is unreachable
+};
+
+// The shards of both layers for every rank, and what a rank does with a step.
+class Ranks {
+ public:
+  Ranks() {
+    checkpoint_ = std::move(*Checkpoint::Open(testing::TestCheckpoint("k3-mini")));
+    placement_ = ExpertPlacement::Contiguous(checkpoint_->config().routing.num_experts, kRanks);
+    for (int layer : checkpoint_->layers())
+      for (int r = 0; r < kRanks; ++r) {
+        auto weights = checkpoint_->LoadExperts(layer, placement_.rank_experts[r]);
+        EXPECT_TRUE(weights.ok());
+        shards_[{layer, r}] =
+            std::move(*ExpertShard::Create(checkpoint_->config(), *weights, &backend_));
+      }
+  }
+  const MoeConfig& config() const { return checkpoint_->config(); }
+  std::vector<int> layers() const { return checkpoint_->layers(); }
+  int local_experts(int rank) const {
+    return static_cast<int>(placement_.rank_experts[rank].size());
+  }
+  RankBehavior& behavior(int rank) { return behavior_[rank]; }
+
+  // Rank `rank`'s answer to rows of `layer`, as its process would compute it.
+  absl::Status Compute(int layer, int rank, ConstMatrixView rows, const RowAssignments& a,
+                       Precision p, PartialView partial) {
+    RankBehavior& b = behavior_[rank];
+    if (b.delay_ms > 0) absl::SleepFor(absl::Milliseconds(b.delay_ms.load()));
+    if (b.gone) return absl::UnavailableError(absl::StrCat("rank ", rank, " is gone"));
+    if (b.fail_code != 0)
+      return absl::Status(static_cast<absl::StatusCode>(b.fail_code.load()), "injected failure");
+    return shards_.at({layer, rank})->Compute(rows, a, p, partial);
+  }
+  // The same rows computed directly: what the transport must hand over.
+  std::vector<double> Expected(int layer, int rank, ConstMatrixView rows, const RowAssignments& a,
+                               Precision p) {
+    std::vector<double> out(rows.rows * rows.cols);
+    PartialView view(out.data(), rows.rows, rows.cols, rows.cols);
+    EXPECT_TRUE(shards_.at({layer, rank})->Compute(rows, a, p, view).ok());
+    return out;
+  }
+  CpuBackend& backend() { return backend_; }
+
+ private:
+  CpuBackend backend_{CpuBackendOptions{1, ""}};
+  std::unique_ptr<Checkpoint> checkpoint_;
+  ExpertPlacement placement_;
+  std::map<std::pair<int, int>, std::unique_ptr<ExpertShard>> shards_;
+  RankBehavior behavior_[kRanks];
+};
+
+// One implementation under test: its gateway side, and a way to take a rank away.
+class Harness {
+ public:
+  virtual ~Harness() = default;
+  virtual GatewayTransport& gateway() = 0;
+  virtual void KillRank(int rank) = 0;
+};
+
+class LoopbackHarness final : public Harness {
+ public:
+  explicit LoopbackHarness(Ranks& ranks) : ranks_(ranks), transport_(&ranks.backend()) {
+    for (int layer : ranks.layers())
+      for (int r = 0; r < kRanks; ++r)
+        transport_.AddRank(
+            layer, r, [this, layer, r](const RankPart& part, Precision p, PartialView partial) {
+              return ranks_.Compute(layer, r, part.rows, *part.assignments, p, partial);
+            });
+  }
+  GatewayTransport& gateway() override { return transport_; }
+  void KillRank(int rank) override { ranks_.behavior(rank).gone = true; }
+
+ private:
+  Ranks& ranks_;
+  LoopbackTransport transport_;
+};
+
+// The gateway's Exchange handler, minus registration: the hello names the rank.
+class ExchangeOnly final : public moe::v1::internal::RankControl::Service {
+ public:
+  explicit ExchangeOnly(GrpcGatewayTransport* transport) : transport_(transport) {}
+  grpc::Status Exchange(grpc::ServerContext* context, ExchangeServerStream* stream) override {
+    moe::v1::internal::RankToGateway hello;
+    if (!stream->Read(&hello) || !hello.has_hello())
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "expected a hello");
+    const absl::Status s = transport_->ServeRank(hello.hello().rank(), stream, context);
+    return s.ok() ? grpc::Status::OK
+                  : grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(s.message()));
+  }
+
+ private:
+  GrpcGatewayTransport* transport_;
+};
+
+class GrpcHarness final : public Harness {
+ public:
+  explicit GrpcHarness(Ranks& ranks)
+      : ranks_(ranks), gateway_(kRanks, &gateway_backend_), service_(&gateway_) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    EXPECT_NE(server_, nullptr);
+    for (int r = 0; r < kRanks; ++r) rank_threads_.emplace_back([this, r] { RunRank(r); });
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (gateway_.num_up() < kRanks && absl::Now() < deadline)
+      absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_EQ(gateway_.num_up(), kRanks);
+  }
+  ~GrpcHarness() override {
+    for (int r = 0; r < kRanks; ++r) KillRank(r);
+    for (auto& t : rank_threads_) t.join();
+    server_->Shutdown(absl::ToChronoTime(absl::Now()));
+  }
+  GatewayTransport& gateway() override { return gateway_; }
+  void KillRank(int rank) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rank_transports_[rank] != nullptr) rank_transports_[rank]->Cancel();
+    killed_[rank] = true;
+  }
+
+ private:
+  void RunRank(int rank) {
+    auto stub = moe::v1::internal::RankControl::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), grpc::InsecureChannelCredentials()));
+    auto context = std::make_unique<grpc::ClientContext>();
+    auto stream = stub->Exchange(context.get());
+    moe::v1::internal::RankToGateway hello;
+    hello.mutable_hello()->set_rank(rank);
+    ASSERT_TRUE(stream->Write(hello));
+    GrpcRankTransport transport(std::move(context), std::move(stream), &ranks_.backend());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      rank_transports_[rank] = &transport;
+      if (killed_[rank]) transport.Cancel();
+    }
+    Workspace workspace(&ranks_.backend());
+    for (;;) {
+      auto step = transport.Receive();
+      if (!step.ok()) break;
+      auto partial = workspace.Partial(0, step->rows.rows, step->rows.cols);
+      ASSERT_TRUE(partial.ok());
+      const absl::Status s = ranks_.Compute(step->layer, rank, step->rows, step->assignments,
+                                            step->precision, *partial);
+      const absl::StatusOr<ConstPartialView> result =
+          s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
+                 : absl::StatusOr<ConstPartialView>(s);
+      if (!transport.Reply(step->step_id, result, RankStepStats{}).ok()) break;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    rank_transports_[rank] = nullptr;
+  }
+
+  Ranks& ranks_;
+  CpuBackend gateway_backend_{CpuBackendOptions{1, ""}};
+  GrpcGatewayTransport gateway_;
+  ExchangeOnly service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  std::mutex mu_;
+  GrpcRankTransport* rank_transports_[kRanks] = {};  // guarded by mu_
+  bool killed_[kRanks] = {};                         // guarded by mu_
+  std::vector<std::thread> rank_threads_;
+};
+
+// One step's rows and assignments for some ranks, random but reproducible.
+struct StepData {
+  std::vector<std::vector<float>> rows;  // per part
+  std::vector<RowAssignments> assignments;
+  StepDispatch dispatch;
+};
+
+std::atomic<uint64_t> g_step_ids{1};
+
+std::unique_ptr<StepData> MakeStep(Ranks& ranks, int layer, const std::vector<int>& to_ranks,
+                                   uint32_t seed, Precision p = Precision::kBF16) {
+  auto step = std::make_unique<StepData>();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> gate(0.05f, 1.0f);
+  const int64_t D = ranks.config().expert_input_size();
+  step->rows.resize(to_ranks.size());
+  step->assignments.resize(to_ranks.size());
+  step->dispatch.step_id = g_step_ids.fetch_add(1);
+  step->dispatch.layer = layer;
+  step->dispatch.precision = p;
+  for (size_t i = 0; i < to_ranks.size(); ++i) {
+    const int r = to_ranks[i];
+    const int64_t m = 1 + static_cast<int64_t>(rng() % 40);
+    step->rows[i].resize(m * D);
+    for (float& v : step->rows[i]) v = RoundTo(p, normal(rng));  // bf16 mode: bf16 values
+    RowAssignments& a = step->assignments[i];
+    const int E = ranks.local_experts(r);
+    for (int64_t row = 0; row < m; ++row) {
+      const int first = static_cast<int>(rng() % E);
+      a.local_experts.push_back(first);
+      a.gates.push_back(gate(rng));
+      if (rng() % 2 == 0 && E > 1) {
+        a.local_experts.push_back((first + 1 + static_cast<int>(rng() % (E - 1))) % E);
+        a.gates.push_back(gate(rng));
+      }
+      a.offsets.push_back(static_cast<int32_t>(a.local_experts.size()));
+    }
+  }
+  for (size_t i = 0; i < to_ranks.size(); ++i)
+    step->dispatch.parts.push_back(
+        {to_ranks[i], ConstMatrixView(step->rows[i].data(), step->rows[i].size() / D, D, D),
+         &step->assignments[i]});
+  return step;
+}
+
+// Send + Collect; every partial checked against the direct computation.
+absl::Status RunStep(GatewayTransport& transport, Ranks& ranks, const StepData& step,
+                     absl::Duration timeout = absl::Seconds(30)) {
+  if (absl::Status s = transport.Send(step.dispatch); !s.ok()) return s;
+  std::vector<int> seen;
+  absl::Status s = transport.Collect(
+      step.dispatch, absl::Now() + timeout,
+      [&](size_t i, ConstPartialView partial, const RankStepStats&) {
+        const RankPart& part = step.dispatch.parts[i];
+        seen.push_back(part.rank);
+        const auto want = ranks.Expected(step.dispatch.layer, part.rank, part.rows,
+                                         *part.assignments, step.dispatch.precision);
+        std::vector<double> got(partial.rows * partial.cols);
+        for (int64_t r = 0; r < partial.rows; ++r)
+          for (int64_t c = 0; c < partial.cols; ++c)
+            got[r * partial.cols + c] = partial.data[r * partial.stride + c];
+        EXPECT_EQ(got, want) << "step " << step.dispatch.step_id << " rank " << part.rank;
+        return absl::OkStatus();
+      });
+  if (!s.ok()) {
+    transport.Abandon(step.dispatch.step_id);
+    return s;
+  }
+  std::vector<int> want_order;
+  for (const RankPart& part : step.dispatch.parts) want_order.push_back(part.rank);
+  EXPECT_EQ(seen, want_order) << "partials must come in ascending rank order";
+  return absl::OkStatus();
+}
+
+class TransportContract : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "loopback")
+      harness_ = std::make_unique<LoopbackHarness>(ranks_);
+    else
+      harness_ = std::make_unique<GrpcHarness>(ranks_);
+  }
+  void TearDown() override { harness_.reset(); }
+  GatewayTransport& transport() { return harness_->gateway(); }
+
+  Ranks ranks_;
+  std::unique_ptr<Harness> harness_;
+};
+
+TEST_P(TransportContract, StepsOfEveryLayerInFlightAtOnce) {
+  // One caller per served layer, as the batcher runs them; both precisions.
+  std::vector<std::thread> callers;
+  std::atomic<int> failures{0};
+  for (int layer : ranks_.layers())
+    callers.emplace_back([&, layer] {
+      for (int i = 0; i < 8; ++i) {
+        const Precision p = i % 2 ? Precision::kFP32 : Precision::kBF16;
+        auto step = MakeStep(ranks_, layer, {0, 1, 2}, static_cast<uint32_t>(layer * 100 + i), p);
+        const absl::Status s = RunStep(transport(), ranks_, *step);
+        if (!s.ok()) {
+          ADD_FAILURE() << "layer " << layer << " step " << i << ": " << s;
+          ++failures;
+        }
+      }
+    });
+  for (auto& c : callers) c.join();
+  EXPECT_EQ(failures.load(), 0);
+  // Ranks with no rows get no part; a step to one rank only.
+  auto single = MakeStep(ranks_, ranks_.layers().front(), {2}, 7);
+  EXPECT_TRUE(RunStep(transport(), ranks_, *single).ok());
+}
+
+TEST_P(TransportContract, RankFailuresMapToTheSameCallerCodes) {
+  const int layer = ranks_.layers().front();
+  const std::pair<absl::StatusCode, absl::StatusCode> cases[] = {
+      {absl::StatusCode::kInternal, absl::StatusCode::kUnavailable},
+      {absl::StatusCode::kDataLoss, absl::StatusCode::kUnavailable},
+      {absl::StatusCode::kNotFound, absl::StatusCode::kNotFound},
+      {absl::StatusCode::kResourceExhausted, absl::StatusCode::kResourceExhausted},
+  };
+  for (const auto& [rank_code, caller_code] : cases) {
+    ranks_.behavior(1).fail_code = static_cast<int>(rank_code);
+    auto step = MakeStep(ranks_, layer, {0, 1, 2}, 11);
+    const absl::Status s = RunStep(transport(), ranks_, *step);
+    EXPECT_EQ(s.code(), caller_code) << s;
+    EXPECT_NE(s.message().find("rank 1"), absl::string_view::npos) << s;
+  }
+  ranks_.behavior(1).fail_code = 0;
+  auto step = MakeStep(ranks_, layer, {0, 1, 2}, 12);
+  EXPECT_TRUE(RunStep(transport(), ranks_, *step).ok()) << "a failed step leaves no trace";
+}
+
+TEST_P(TransportContract, ADeadlinePassedFailsTheStepAndItsLateResultIsDropped) {
+  const int layer = ranks_.layers().front();
+  ranks_.behavior(0).delay_ms = 600;
+  auto slow = MakeStep(ranks_, layer, {0, 1}, 21);
+  const absl::Time t0 = absl::Now();
+  const absl::Status s = RunStep(transport(), ranks_, *slow, absl::Milliseconds(150));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(absl::Now() - t0, absl::Milliseconds(600 + 1000));
+  ranks_.behavior(0).delay_ms = 0;
+  absl::SleepFor(absl::Milliseconds(700));  // the abandoned step's result arrives, unwanted
+  auto next = MakeStep(ranks_, layer, {0, 1}, 22);
+  EXPECT_TRUE(RunStep(transport(), ranks_, *next).ok());
+}
+
+TEST_P(TransportContract, ARankGoneMidStepFailsItWithUnavailable) {
+  const int layer = ranks_.layers().back();
+  ranks_.behavior(2).delay_ms = 500;
+  auto step = MakeStep(ranks_, layer, {0, 1, 2}, 31);
+  ASSERT_TRUE(transport().Send(step->dispatch).ok());
+  std::thread killer([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    harness_->KillRank(2);
+  });
+  const absl::Time t0 = absl::Now();
+  const absl::Status s = transport().Collect(
+      step->dispatch, absl::Now() + absl::Seconds(20),
+      [](size_t, ConstPartialView, const RankStepStats&) { return absl::OkStatus(); });
+  killer.join();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 2"), absl::string_view::npos) << s;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3)) << "not the 20 s deadline";
+  transport().Abandon(step->dispatch.step_id);
+  ranks_.behavior(2).delay_ms = 0;
+  // The other ranks still serve.
+  auto rest = MakeStep(ranks_, layer, {0, 1}, 32);
+  EXPECT_TRUE(RunStep(transport(), ranks_, *rest).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, TransportContract, ::testing::Values("loopback", "grpc"),
+                         [](const auto& param_info) { return param_info.param; });
+
+}  // namespace
+}  // namespace moe
