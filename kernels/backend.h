@@ -97,50 +97,76 @@ class Backend {
   virtual absl::Status Synchronize() = 0;
 
   // --- ops --------------------------------------------------------------------------------
+  // Each op checks its arguments here, once for every backend (kernels/backend.cc: shapes,
+  // strides, index ranges, routing parameters; INVALID_ARGUMENT "Op: what"), then runs the
+  // backend's Do<Op>.
   // y = round(x W^T). x: [M, W.cols], y: [M, W.rows].
-  virtual absl::Status Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
-                              Precision p) = 0;
+  absl::Status Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y, Precision p);
 
   // Router from fp32 logits [T, E]: s = sigmoid(logits); choose top_k of s + bias (ties: lower
   // index); weights from s. ids/weights: [T, top_k], in descending order of biased score.
-  virtual absl::Status SelectExperts(ConstMatrixView logits, const float* bias,
-                                     const RoutingParams& params, int32_t* ids, float* weights) = 0;
+  absl::Status SelectExperts(ConstMatrixView logits, const float* bias, const RoutingParams& params,
+                             int32_t* ids, float* weights);
 
   // out = round(act(g, u)) elementwise. g, u, out: [M, N].
-  virtual absl::Status GluActivation(ConstMatrixView g, ConstMatrixView u,
-                                     const ActivationParams& act, MatrixView out, Precision p) = 0;
+  absl::Status GluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
+                             MatrixView out, Precision p);
 
   // Grouped routed experts: for every assignment i of local expert e,
   //   o_i = round(round(act(round(x[rows[i]] W1_e^T), round(x[rows[i]] W3_e^T))) W2_e^T)
   // and y[r] = sum over the assignments of row r, in ascending expert order, of
   // fp32(o_i) * gate_i, accumulated in fp64. Rows with no assignment get 0. x: [M, in].
-  virtual absl::Status ExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
-                                 absl::Span<const MlpWeights> experts, const ActivationParams& act,
-                                 PartialView y, Precision p) = 0;
+  absl::Status ExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+                         absl::Span<const MlpWeights> experts, const ActivationParams& act,
+                         PartialView y, Precision p);
 
   // y = round(round(x * rsqrt(mean(x^2) + eps)) * weight), per row.
-  virtual absl::Status RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps,
-                               MatrixView y, Precision p) = 0;
+  absl::Status RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
+                       Precision p);
 
   // y = round(a + b).
-  virtual absl::Status Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) = 0;
+  absl::Status Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p);
 
   // y = round(y) in place (the layer input in bf16 mode).
-  virtual absl::Status Round(MatrixView y, Precision p) = 0;
+  absl::Status Round(MatrixView y, Precision p);
 
   // out = round(y): fp64 partial sums to bf16 (one rounding) or fp32.
-  virtual absl::Status RoundPartials(ConstPartialView y, MatrixView out, Precision p) = 0;
+  absl::Status RoundPartials(ConstPartialView y, MatrixView out, Precision p);
 
   // out[i] = x[rows[i]] (the dispatch gather). rows: host array of out.rows indices.
-  virtual absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                                  MatrixView out) = 0;
+  absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows, MatrixView out);
 
   // y[rows[i]] += partial[i] in fp64 (the combine). rows: host array of partial.rows indices.
-  virtual absl::Status ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
-                                      PartialView y) = 0;
+  absl::Status ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
+                              PartialView y);
 
   // y = 0.
-  virtual absl::Status Zero(PartialView y) = 0;
+  absl::Status Zero(PartialView y);
+
+ private:
+  // The implementations, called after the checks above passed (NVI: a backend cannot skip
+  // them). Backend-specific conditions (device memory, size limits) stay in the backend.
+  virtual absl::Status DoLinear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
+                                Precision p) = 0;
+  virtual absl::Status DoSelectExperts(ConstMatrixView logits, const float* bias,
+                                       const RoutingParams& params, int32_t* ids,
+                                       float* weights) = 0;
+  virtual absl::Status DoGluActivation(ConstMatrixView g, ConstMatrixView u,
+                                       const ActivationParams& act, MatrixView out,
+                                       Precision p) = 0;
+  virtual absl::Status DoExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+                                   absl::Span<const MlpWeights> experts,
+                                   const ActivationParams& act, PartialView y, Precision p) = 0;
+  virtual absl::Status DoRmsNorm(ConstMatrixView x, const WeightVector& weight, float eps,
+                                 MatrixView y, Precision p) = 0;
+  virtual absl::Status DoAdd(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) = 0;
+  virtual absl::Status DoRound(MatrixView y, Precision p) = 0;
+  virtual absl::Status DoRoundPartials(ConstPartialView y, MatrixView out, Precision p) = 0;
+  virtual absl::Status DoGatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
+                                    MatrixView out) = 0;
+  virtual absl::Status DoScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
+                                        PartialView y) = 0;
+  virtual absl::Status DoZero(PartialView y) = 0;
 };
 
 }  // namespace moe

@@ -146,13 +146,8 @@ void CpuBackend::ForRowBlocks(int64_t n, const std::function<void(int64_t, int64
   });
 }
 
-absl::Status CpuBackend::Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
-                                Precision p) {
-  if (x.cols != w.cols)
-    return ShapeError("Linear", absl::StrCat("input width ", x.cols, " != weight cols ", w.cols));
-  if (y.rows != x.rows || y.cols != w.rows)
-    return ShapeError("Linear", absl::StrCat("output [", y.rows, ", ", y.cols, "] != [", x.rows,
-                                             ", ", w.rows, "]"));
+absl::Status CpuBackend::DoLinear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
+                                  Precision p) {
   if (x.rows == 0) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(mu_);
   cpu::DotOperands op;
@@ -180,20 +175,11 @@ absl::Status CpuBackend::Linear(ConstMatrixView x, const WeightMatrix& w, Matrix
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::SelectExperts(ConstMatrixView logits, const float* bias,
-                                       const RoutingParams& params, int32_t* ids, float* weights) {
+absl::Status CpuBackend::DoSelectExperts(ConstMatrixView logits, const float* bias,
+                                         const RoutingParams& params, int32_t* ids,
+                                         float* weights) {
   const int E = params.num_experts, k = params.top_k;
-  if (logits.cols != E)
-    return ShapeError("SelectExperts",
-                      absl::StrCat("logits have ", logits.cols, " experts, expected ", E));
-  if (k <= 0 || k > E)
-    return ShapeError("SelectExperts", absl::StrCat("top_k ", k, " outside [1, ", E, "]"));
   const int groups = std::max(1, params.n_group);
-  if (E % groups != 0 || params.topk_group < 1 || params.topk_group > groups)
-    return ShapeError("SelectExperts", "bad expert grouping");
-  if (groups > 1 && k > params.topk_group * (E / groups))
-    return ShapeError("SelectExperts", absl::StrCat("top_k ", k, " exceeds the experts of the ",
-                                                    params.topk_group, " kept groups"));
   // As both seed gates do: a single expert keeps its raw score (no renormalization).
   const bool renormalize = params.renormalize && k > 1;
   std::lock_guard<std::mutex> lock(mu_);
@@ -253,10 +239,8 @@ absl::Status CpuBackend::SelectExperts(ConstMatrixView logits, const float* bias
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::GluActivation(ConstMatrixView g, ConstMatrixView u,
-                                       const ActivationParams& act, MatrixView out, Precision p) {
-  RETURN_IF_ERROR(CheckSameShape("GluActivation", g, u));
-  RETURN_IF_ERROR(CheckSameShape("GluActivation", g, out));
+absl::Status CpuBackend::DoGluActivation(ConstMatrixView g, ConstMatrixView u,
+                                         const ActivationParams& act, MatrixView out, Precision p) {
   std::lock_guard<std::mutex> lock(mu_);
   pool_.ParallelFor(g.rows, [&](int64_t b, int64_t e, int) {
     for (int64_t r = b; r < e; ++r)
@@ -265,36 +249,12 @@ absl::Status CpuBackend::GluActivation(ConstMatrixView g, ConstMatrixView u,
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::ExpertMlp(ConstMatrixView x, const ExpertAssignments& asg,
-                                   absl::Span<const MlpWeights> experts,
-                                   const ActivationParams& act, PartialView y, Precision p) {
-  RETURN_IF_ERROR(CheckSameShape("ExpertMlp", x, y));
+absl::Status CpuBackend::DoExpertMlp(ConstMatrixView x, const ExpertAssignments& asg,
+                                     absl::Span<const MlpWeights> experts,
+                                     const ActivationParams& act, PartialView y, Precision p) {
   const int E = asg.num_experts();
-  if (static_cast<size_t>(E) != experts.size())
-    return ShapeError("ExpertMlp",
-                      absl::StrCat(E, " expert groups but ", experts.size(), " experts"));
-  if (E == 0 || asg.num_assignments() == 0) {
-    return Zero(y);
-  }
   const int64_t hidden = experts[0].gate.rows;
   const WeightFormat in_format = experts[0].gate.format, hidden_format = experts[0].down.format;
-  for (int e = 0; e < E; ++e) {
-    const MlpWeights& w = experts[e];
-    if (w.gate.cols != x.cols || w.up.cols != x.cols || w.down.rows != x.cols ||
-        w.gate.rows != hidden || w.up.rows != hidden || w.down.cols != hidden)
-      return ShapeError("ExpertMlp",
-                        absl::StrCat("expert ", e, " shapes do not match input width ", x.cols));
-    if (w.gate.format != in_format || w.up.format != in_format || w.down.format != hidden_format)
-      return ShapeError("ExpertMlp", "experts of one call must share their weight formats");
-    if (asg.offsets[e] > asg.offsets[e + 1])
-      return ShapeError("ExpertMlp", "offsets not ascending");
-  }
-  if (asg.offsets[0] != 0 || asg.offsets[E] != asg.num_assignments() ||
-      asg.gates.size() != asg.rows.size())
-    return ShapeError("ExpertMlp", "malformed assignments");
-  for (int32_t r : asg.rows)
-    if (r < 0 || r >= x.rows)
-      return ShapeError("ExpertMlp", absl::StrCat("assignment row ", r, " out of range"));
 
   std::lock_guard<std::mutex> lock(mu_);
   const size_t elem = p == Precision::kBF16 ? 2 : 4;
@@ -369,11 +329,8 @@ absl::Status CpuBackend::ExpertMlp(ConstMatrixView x, const ExpertAssignments& a
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps,
-                                 MatrixView y, Precision p) {
-  RETURN_IF_ERROR(CheckSameShape("RmsNorm", x, y));
-  if (weight.size != x.cols)
-    return ShapeError("RmsNorm", absl::StrCat("weight size ", weight.size, " != ", x.cols));
+absl::Status CpuBackend::DoRmsNorm(ConstMatrixView x, const WeightVector& weight, float eps,
+                                   MatrixView y, Precision p) {
   std::lock_guard<std::mutex> lock(mu_);
   pool_.ParallelFor(x.rows, [&](int64_t b, int64_t e, int) {
     for (int64_t r = b; r < e; ++r) {
@@ -391,47 +348,36 @@ absl::Status CpuBackend::RmsNorm(ConstMatrixView x, const WeightVector& weight, 
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) {
-  RETURN_IF_ERROR(CheckSameShape("Add", a, b));
-  RETURN_IF_ERROR(CheckSameShape("Add", a, y));
+absl::Status CpuBackend::DoAdd(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) {
   for (int64_t r = 0; r < a.rows; ++r)
     for (int64_t c = 0; c < a.cols; ++c) y.Row(r)[c] = RoundTo(p, a.Row(r)[c] + b.Row(r)[c]);
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::Round(MatrixView y, Precision p) {
+absl::Status CpuBackend::DoRound(MatrixView y, Precision p) {
   if (p == Precision::kFP32) return absl::OkStatus();
   for (int64_t r = 0; r < y.rows; ++r)
     for (int64_t c = 0; c < y.cols; ++c) y.Row(r)[c] = RoundToBf16(y.Row(r)[c]);
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::RoundPartials(ConstPartialView y, MatrixView out, Precision p) {
-  RETURN_IF_ERROR(CheckSameShape("RoundPartials", y, out));
+absl::Status CpuBackend::DoRoundPartials(ConstPartialView y, MatrixView out, Precision p) {
   for (int64_t r = 0; r < y.rows; ++r)
     for (int64_t c = 0; c < y.cols; ++c) out.Row(r)[c] = RoundDoubleTo(p, y.Row(r)[c]);
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                                    MatrixView out) {
-  if (static_cast<int64_t>(rows.size()) != out.rows || out.cols != x.cols)
-    return ShapeError("GatherRows", "output shape does not match the row list");
+absl::Status CpuBackend::DoGatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
+                                      MatrixView out) {
   for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i] < 0 || rows[i] >= x.rows)
-      return ShapeError("GatherRows", absl::StrCat("row ", rows[i], " out of range"));
     std::memcpy(out.Row(i), x.Row(rows[i]), x.cols * sizeof(float));
   }
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
-                                        PartialView y) {
-  if (static_cast<int64_t>(rows.size()) != partial.rows || partial.cols != y.cols)
-    return ShapeError("ScatterAddRows", "partial shape does not match the row list");
+absl::Status CpuBackend::DoScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
+                                          PartialView y) {
   for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i] < 0 || rows[i] >= y.rows)
-      return ShapeError("ScatterAddRows", absl::StrCat("row ", rows[i], " out of range"));
     double* yr = y.Row(rows[i]);
     const double* pr = partial.Row(i);
     for (int64_t c = 0; c < y.cols; ++c) yr[c] += pr[c];
@@ -439,7 +385,7 @@ absl::Status CpuBackend::ScatterAddRows(ConstPartialView partial, absl::Span<con
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::Zero(PartialView y) {
+absl::Status CpuBackend::DoZero(PartialView y) {
   for (int64_t r = 0; r < y.rows; ++r) std::fill(y.Row(r), y.Row(r) + y.cols, 0.0);
   return absl::OkStatus();
 }

@@ -44,26 +44,27 @@ class CpuBackend final : public Backend {
   absl::StatusOr<WeightVector> PrepareVector(const WeightVector& host) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
-  absl::Status Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y, Precision p) override;
-  absl::Status SelectExperts(ConstMatrixView logits, const float* bias, const RoutingParams& params,
-                             int32_t* ids, float* weights) override;
-  absl::Status GluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
-                             MatrixView out, Precision p) override;
-  absl::Status ExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
-                         absl::Span<const MlpWeights> experts, const ActivationParams& act,
-                         PartialView y, Precision p) override;
-  absl::Status RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
-                       Precision p) override;
-  absl::Status Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) override;
-  absl::Status Round(MatrixView y, Precision p) override;
-  absl::Status RoundPartials(ConstPartialView y, MatrixView out, Precision p) override;
-  absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                          MatrixView out) override;
-  absl::Status ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
-                              PartialView y) override;
-  absl::Status Zero(PartialView y) override;
-
  private:
+  absl::Status DoLinear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
+                        Precision p) override;
+  absl::Status DoSelectExperts(ConstMatrixView logits, const float* bias,
+                               const RoutingParams& params, int32_t* ids, float* weights) override;
+  absl::Status DoGluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
+                               MatrixView out, Precision p) override;
+  absl::Status DoExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+                           absl::Span<const MlpWeights> experts, const ActivationParams& act,
+                           PartialView y, Precision p) override;
+  absl::Status DoRmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
+                         Precision p) override;
+  absl::Status DoAdd(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) override;
+  absl::Status DoRound(MatrixView y, Precision p) override;
+  absl::Status DoRoundPartials(ConstPartialView y, MatrixView out, Precision p) override;
+  absl::Status DoGatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
+                            MatrixView out) override;
+  absl::Status DoScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
+                                PartialView y) override;
+  absl::Status DoZero(PartialView y) override;
+
   // Packs rows of x in `format`'s canonical order into `buffer`; returns the row stride.
   int64_t PackRows(ConstMatrixView x, WeightFormat format, Precision p, cpu::AlignedBuffer* buffer);
   // Splits weight rows [0, n) over the pool in kernel-friendly blocks.

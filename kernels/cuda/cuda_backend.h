@@ -91,29 +91,30 @@ class CudaBackend final : public Backend {
   absl::StatusOr<WeightVector> PrepareVector(const WeightVector& host) override;
   absl::Status Synchronize() override;
 
-  absl::Status Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y, Precision p) override;
-  // logits, bias, ids and weights are device pointers.
-  absl::Status SelectExperts(ConstMatrixView logits, const float* bias, const RoutingParams& params,
-                             int32_t* ids, float* weights) override;
-  absl::Status GluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
-                             MatrixView out, Precision p) override;
-  absl::Status ExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
-                         absl::Span<const MlpWeights> experts, const ActivationParams& act,
-                         PartialView y, Precision p) override;
-  absl::Status RmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
-                       Precision p) override;
-  absl::Status Add(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) override;
-  absl::Status Round(MatrixView y, Precision p) override;
-  absl::Status RoundPartials(ConstPartialView y, MatrixView out, Precision p) override;
-  absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                          MatrixView out) override;
-  absl::Status ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
-                              PartialView y) override;
-  absl::Status Zero(PartialView y) override;
-
   struct Impl;
 
  private:
+  absl::Status DoLinear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
+                        Precision p) override;
+  // logits, bias, ids and weights are device pointers.
+  absl::Status DoSelectExperts(ConstMatrixView logits, const float* bias,
+                               const RoutingParams& params, int32_t* ids, float* weights) override;
+  absl::Status DoGluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
+                               MatrixView out, Precision p) override;
+  absl::Status DoExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+                           absl::Span<const MlpWeights> experts, const ActivationParams& act,
+                           PartialView y, Precision p) override;
+  absl::Status DoRmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
+                         Precision p) override;
+  absl::Status DoAdd(ConstMatrixView a, ConstMatrixView b, MatrixView y, Precision p) override;
+  absl::Status DoRound(MatrixView y, Precision p) override;
+  absl::Status DoRoundPartials(ConstPartialView y, MatrixView out, Precision p) override;
+  absl::Status DoGatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
+                            MatrixView out) override;
+  absl::Status DoScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
+                                PartialView y) override;
+  absl::Status DoZero(PartialView y) override;
+
   explicit CudaBackend(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
