@@ -112,7 +112,6 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   stats.rank_active_experts.assign(R, 0);
   stats.rank_bytes_sent.assign(R, 0);
   stats.rank_bytes_received.assign(R, 0);
-  const size_t row_bytes = D * (precision == Precision::kBF16 ? 2 : 4);
   for (int r = 0; r < R; ++r) {
     const RankDispatch& rd = plan.ranks[r];
     const int64_t m = static_cast<int64_t>(rd.token_rows.size());
@@ -121,8 +120,6 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
     ASSIGN_OR_RETURN(MatrixView rows, ws.Matrix(kRankRows + r, m, D));
     RETURN_IF_ERROR(backend_->GatherRows(expert_input, rd.token_rows, rows));
     dispatch.parts.push_back({r, rows, &rd.assignments});
-    stats.rank_bytes_sent[r] = m * row_bytes;
-    stats.rank_bytes_received[r] = m * D * sizeof(double);
   }
   absl::Status status = transport_->Send(dispatch);
   const absl::Time t_sent = absl::Now();
@@ -141,6 +138,8 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
         [&](size_t part, ConstPartialView partial, const RankStepStats& rank_stats) {
           const int rank = dispatch.parts[part].rank;
           stats.rank_active_experts[rank] = rank_stats.active_experts;
+          stats.rank_bytes_sent[rank] = rank_stats.bytes_sent;
+          stats.rank_bytes_received[rank] = rank_stats.bytes_received;
           return backend_->ScatterAddRows(partial, plan.ranks[rank].token_rows, combined);
         });
     t_collected = absl::Now();

@@ -30,11 +30,11 @@ struct StepStats {
   // expert_compute: from Send to the last partial (the ranks' compute and the exchange, with
   // `shared` overlapping it).
   absl::Duration route, dispatch, expert_compute, shared, combine, finish, total;
-  std::vector<int64_t> rank_rows;        // token rows sent to each rank
-  std::vector<int> rank_active_experts;  // distinct local experts each rank used
-  std::vector<int64_t> rank_bytes_sent;  // row bytes on the wire to each rank
-  std::vector<int64_t> rank_bytes_received;
-  const Routing* routing = nullptr;                   // this step's router choices
+  std::vector<int64_t> rank_rows;            // token rows sent to each rank
+  std::vector<int> rank_active_experts;      // distinct local experts each rank used
+  std::vector<int64_t> rank_bytes_sent;      // bytes the transport put on the wire to each rank
+  std::vector<int64_t> rank_bytes_received;  // and took off it (RankStepStats)
+  const Routing* routing = nullptr;          // this step's router choices
   const std::vector<float>* router_scores = nullptr;  // [tokens, E] sigmoid scores, when asked for
   bool ok = true;
 };

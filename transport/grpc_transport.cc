@@ -203,6 +203,8 @@ absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
     if (!stream->Write(message))
       return absl::UnavailableError(
           absl::StrCat("rank ", part.rank, ": exchange stream broke while sending"));
+    std::lock_guard<std::mutex> lock(mu_);
+    sent_bytes_[{dispatch.step_id, part.rank}] = static_cast<int64_t>(message.ByteSizeLong());
   }
   return absl::OkStatus();
 }
@@ -211,6 +213,7 @@ absl::Status GrpcGatewayTransport::Collect(
     const StepDispatch& dispatch, absl::Time deadline,
     const std::function<absl::Status(size_t, ConstPartialView, const RankStepStats&)>& consume) {
   std::vector<StepResult> results(dispatch.parts.size());
+  std::vector<int64_t> bytes_sent(dispatch.parts.size(), 0);
   {
     std::unique_lock<std::mutex> lock(mu_);
     for (size_t i = 0; i < dispatch.parts.size(); ++i) {
@@ -221,6 +224,11 @@ absl::Status GrpcGatewayTransport::Collect(
         if (it != results_.end()) {
           results[i] = std::move(it->second);
           results_.erase(it);
+          auto sent = sent_bytes_.find(key);
+          if (sent != sent_bytes_.end()) {
+            bytes_sent[i] = sent->second;
+            sent_bytes_.erase(sent);
+          }
           break;
         }
         const Channel& channel = *channels_[rank];
@@ -256,7 +264,8 @@ absl::Status GrpcGatewayTransport::Collect(
       RETURN_IF_ERROR(backend_->CopyToBackend(device->data(), host.data(), bytes));
       view.data = static_cast<const double*>(device->data());
     }
-    RankStepStats stats{r.compute_us(), r.active_experts()};
+    RankStepStats stats{r.compute_us(), r.active_experts(), bytes_sent[i],
+                        static_cast<int64_t>(r.ByteSizeLong())};
     RETURN_IF_ERROR(consume(i, view, stats));
   }
   return absl::OkStatus();
@@ -272,6 +281,8 @@ void GrpcGatewayTransport::Abandon(uint64_t step_id) {
       ++it;
     }
   }
+  sent_bytes_.erase(sent_bytes_.lower_bound({step_id, 0}),
+                    sent_bytes_.lower_bound({step_id + 1, 0}));
   // Step ids grow; keep the set small.
   while (abandoned_.size() > 4096) abandoned_.erase(abandoned_.begin());
 }
@@ -352,6 +363,7 @@ absl::StatusOr<ReceivedStep> GrpcRankTransport::Receive() {
   if (!message.has_step()) return absl::InternalError("unexpected message on the exchange stream");
   const auto& step = message.step();
   ReceivedStep out;
+  out.wire_bytes = static_cast<int64_t>(message.ByteSizeLong());
   out.step_id = step.step_id();
   out.layer = step.layer();
   out.precision = step.bf16() ? Precision::kBF16 : Precision::kFP32;

@@ -82,6 +82,7 @@ class GrpcGatewayTransport final : public GatewayTransport {
   std::condition_variable cv_;
   std::map<std::pair<uint64_t, int>, moe::v1::internal::StepResult> results_;  // (step, rank)
   std::set<uint64_t> abandoned_;
+  std::map<std::pair<uint64_t, int>, int64_t> sent_bytes_;  // (step, rank): written, not collected
   std::function<void(int, bool)> on_rank_state_;
   std::vector<uint8_t> staging_;  // device -> host copies of rows (GPU gateway)
   std::mutex staging_mu_;

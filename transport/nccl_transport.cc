@@ -567,6 +567,13 @@ absl::Status NcclGatewayTransport::Collect(
       const ReplyHeader& h = *st.HostReply(part.rank);
       stats.compute_us = h.compute_us;
       stats.active_experts = h.active_experts;
+      const size_t esize = dispatch.precision == Precision::kBF16 ? 2 : 4;
+      stats.bytes_sent = static_cast<int64_t>(
+          sizeof(StepHeader) +
+          MetaBytes(n, static_cast<int64_t>(part.assignments->local_experts.size())) +
+          static_cast<size_t>(n * width) * esize);
+      stats.bytes_received = static_cast<int64_t>(sizeof(ReplyHeader) +
+                                                  static_cast<size_t>(n * width) * sizeof(double));
     }
     const ConstPartialView partial(
         n > 0 ? reinterpret_cast<const double*>(st.peers[part.rank].partial.get()) : nullptr, n,
@@ -746,6 +753,7 @@ absl::StatusOr<ReceivedStep> NcclRankTransport::Receive() {
       step.layer = h.layer;
       step.precision = bf16 ? Precision::kBF16 : Precision::kFP32;
       step.rows = ConstMatrixView(rows, n, width, width);
+      step.wire_bytes = static_cast<int64_t>(sizeof(StepHeader) + meta_bytes + row_bytes);
       const uint8_t* m = st.host_meta.get();
       step.assignments.offsets.resize(n + 1);
       step.assignments.local_experts.resize(A);

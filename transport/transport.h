@@ -21,6 +21,7 @@
 //     rank that got rows goes away (dies, or stays silent for the liveness timeout:
 //     stream_liveness.h), and RankFailure(rank, its error) when a rank reports one.
 //   - Abandon(step) after a failure: the step's late results are dropped, later steps work.
+//   - The transport counts the bytes it moved per rank and step (RankStepStats, ReceivedStep).
 #pragma once
 
 #include <cstdint>
@@ -56,6 +57,9 @@ struct StepDispatch {
 struct RankStepStats {
   int64_t compute_us = 0;
   int active_experts = 0;  // distinct local experts touched
+  // What the step moved between the gateway and this rank, counted by the transport: the bytes
+  // it put on the wire to the rank and took off it (message framing included; 0 for loopback).
+  int64_t bytes_sent = 0, bytes_received = 0;
 };
 
 // The caller's status for a rank's failed step, the same in every transport: a rank's internal
@@ -102,6 +106,7 @@ struct ReceivedStep {
   Precision precision = Precision::kBF16;
   ConstMatrixView rows;
   RowAssignments assignments;
+  int64_t wire_bytes = 0;  // what the transport took off the wire for this step
 };
 
 class RankTransport {

@@ -237,8 +237,8 @@ absl::Status RankWorker::ServeSteps(RankTransport& transport) {
       report.rows = step->rows.rows;
       report.active_experts = stats.active_experts;
       report.compute = absl::Microseconds(stats.compute_us);
-      report.bytes_received =
-          step->rows.rows * step->rows.cols * (step->precision == Precision::kBF16 ? 2 : 4);
+      report.bytes_received = step->wire_bytes;
+      // The reply's payload: one fp64 partial per row (the transport adds a few bytes of framing).
       report.bytes_sent = step->rows.rows * step->rows.cols * static_cast<int64_t>(sizeof(double));
       observer_->OnRankStep(report);
     }

@@ -247,16 +247,29 @@ std::unique_ptr<StepData> MakeStep(Ranks& ranks, int layer, const std::vector<in
   return step;
 }
 
-// Send + Collect; every partial checked against the direct computation.
+// Send + Collect; every partial checked against the direct computation, and the bytes the
+// transport counted: nothing for loopback, at least the payload for a wire.
 absl::Status RunStep(GatewayTransport& transport, Ranks& ranks, const StepData& step,
                      absl::Duration timeout = absl::Seconds(30)) {
   if (absl::Status s = transport.Send(step.dispatch); !s.ok()) return s;
   std::vector<int> seen;
+  const bool wire = transport.name() != "loopback";
   absl::Status s = transport.Collect(
       step.dispatch, absl::Now() + timeout,
-      [&](size_t i, ConstPartialView partial, const RankStepStats&) {
+      [&](size_t i, ConstPartialView partial, const RankStepStats& stats) {
         const RankPart& part = step.dispatch.parts[i];
         seen.push_back(part.rank);
+        const int64_t cells = part.rows.rows * part.rows.cols;
+        const int64_t row_bytes = step.dispatch.precision == Precision::kBF16 ? 2 : 4;
+        if (wire) {
+          EXPECT_GE(stats.bytes_sent, cells * row_bytes) << "rank " << part.rank;
+          EXPECT_LT(stats.bytes_sent, cells * row_bytes + part.rows.rows * 64 + 1024);
+          EXPECT_GE(stats.bytes_received, cells * 8) << "rank " << part.rank;
+          EXPECT_LT(stats.bytes_received, cells * 8 + 1024);
+        } else {
+          EXPECT_EQ(stats.bytes_sent, 0);
+          EXPECT_EQ(stats.bytes_received, 0);
+        }
         const auto want = ranks.Expected(step.dispatch.layer, part.rank, part.rows,
                                          *part.assignments, step.dispatch.precision);
         std::vector<double> got(partial.rows * partial.cols);
