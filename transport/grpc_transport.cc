@@ -86,6 +86,11 @@ bool GrpcGatewayTransport::IsUp(int rank) const {
   return UpLocked(rank);
 }
 
+int64_t GrpcGatewayTransport::dropped_results() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return dropped_results_;
+}
+
 int GrpcGatewayTransport::num_up() const {
   std::lock_guard<std::mutex> lock(mu_);
   int n = 0;
@@ -145,7 +150,12 @@ absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* str
       if (!message.has_result()) continue;
       std::lock_guard<std::mutex> lock(mu_);
       const uint64_t step = message.result().step_id();
-      if (abandoned_.count(step)) continue;
+      // Only results for steps sent to this rank and still awaited are kept: anything else (a
+      // step given up on, or one never sent) would otherwise stay in memory for good.
+      if (sent_bytes_.count({step, rank}) == 0) {
+        ++dropped_results_;
+        continue;
+      }
       results_[{step, rank}] = std::move(*message.mutable_result());
       cv_.notify_all();
     }
@@ -200,11 +210,14 @@ absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
     }
     if (stream == nullptr)
       return absl::UnavailableError(absl::StrCat("rank ", part.rank, " is down"));
+    {
+      // Before the write: the rank's answer may arrive before Write returns.
+      std::lock_guard<std::mutex> lock(mu_);
+      sent_bytes_[{dispatch.step_id, part.rank}] = static_cast<int64_t>(message.ByteSizeLong());
+    }
     if (!stream->Write(message))
       return absl::UnavailableError(
           absl::StrCat("rank ", part.rank, ": exchange stream broke while sending"));
-    std::lock_guard<std::mutex> lock(mu_);
-    sent_bytes_[{dispatch.step_id, part.rank}] = static_cast<int64_t>(message.ByteSizeLong());
   }
   return absl::OkStatus();
 }
@@ -273,7 +286,6 @@ absl::Status GrpcGatewayTransport::Collect(
 
 void GrpcGatewayTransport::Abandon(uint64_t step_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  abandoned_.insert(step_id);
   for (auto it = results_.begin(); it != results_.end();) {
     if (it->first.first == step_id) {
       it = results_.erase(it);
@@ -283,8 +295,6 @@ void GrpcGatewayTransport::Abandon(uint64_t step_id) {
   }
   sent_bytes_.erase(sent_bytes_.lower_bound({step_id, 0}),
                     sent_bytes_.lower_bound({step_id + 1, 0}));
-  // Step ids grow; keep the set small.
-  while (abandoned_.size() > 4096) abandoned_.erase(abandoned_.begin());
 }
 
 // ---- rank side ------------------------------------------------------------------------------

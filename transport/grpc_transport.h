@@ -58,6 +58,8 @@ class GrpcGatewayTransport final : public GatewayTransport {
   // Cancels every rank's stream (shutdown: they never end on their own).
   void CloseRankStreams();
   bool IsUp(int rank) const;
+  // Results that came for steps not awaited (abandoned, or never sent to that rank): dropped.
+  int64_t dropped_results() const;
   int num_up() const;
   // Called (outside locks) whenever a rank goes up or down.
   void SetRankStateCallback(std::function<void(int rank, bool up)> callback);
@@ -81,8 +83,10 @@ class GrpcGatewayTransport final : public GatewayTransport {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::pair<uint64_t, int>, moe::v1::internal::StepResult> results_;  // (step, rank)
-  std::set<uint64_t> abandoned_;
-  std::map<std::pair<uint64_t, int>, int64_t> sent_bytes_;  // (step, rank): written, not collected
+  // (step, rank) -> bytes, for every part sent and not yet collected or abandoned: also the
+  // set of results a rank may deliver.
+  std::map<std::pair<uint64_t, int>, int64_t> sent_bytes_;
+  int64_t dropped_results_ = 0;  // results for steps not awaited (guarded by mu_)
   std::function<void(int, bool)> on_rank_state_;
   std::vector<uint8_t> staging_;  // device -> host copies of rows (GPU gateway)
   std::mutex staging_mu_;

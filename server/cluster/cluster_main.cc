@@ -452,7 +452,8 @@ int Cluster::Run() {
       rank.insert(rank.end(), {"--threads", std::to_string(options_.threads_per_rank)});
     }
     if (options_.metrics_port > 0) {
-      rank.insert(rank.end(), {"--metrics-port", std::to_string(options_.metrics_port + 1 + i)});
+      rank.insert(rank.end(), {"--metrics-port", std::to_string(options_.metrics_port + 1 + i),
+                               "--metrics-host", options_.host});
     }
     RankChild child;
     child.argv = rank;

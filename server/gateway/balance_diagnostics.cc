@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/status.h"
@@ -170,15 +171,21 @@ absl::StatusOr<moe::v1::BiasOverride> BalanceDiagnostics::SetRouterBias(int laye
   for (float b : bias)
     if (!std::isfinite(b)) return absl::InvalidArgumentError("bias contains NaN or Inf");
   RETURN_IF_ERROR(engine_->SetRouterBias(layer, bias));
+  // `source` is the caller's text: bounded, and escaped before it reaches the log (no forged
+  // lines, no terminal control codes).
+  const std::string said = absl::CHexEscape(source.substr(0, kMaxSourceBytes));
   moe::v1::BiasOverride record;
   record.set_layer(layer);
-  record.set_source(restore ? absl::StrCat("restored checkpoint bias (", source, ")") : source);
+  record.set_source(restore ? absl::StrCat("restored checkpoint bias (", said, ")") : said);
   record.set_installed_at(absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
   std::fprintf(stderr, "moe-gateway: router bias of layer %d %s by '%s' at %s\n", layer,
-               restore ? "restored" : "overridden", source.c_str(), record.installed_at().c_str());
+               restore ? "restored" : "overridden", said.c_str(), record.installed_at().c_str());
   std::fflush(stderr);
   std::lock_guard<std::mutex> lock(mu_);
   overrides_.push_back(record);
+  // Model info lists the history: the newest entries only, so it stays a small message.
+  if (overrides_.size() > kMaxOverrideHistory)
+    overrides_.erase(overrides_.begin(), overrides_.end() - kMaxOverrideHistory);
   // A new bias changes the routing: old windows no longer describe it.
   auto it = windows_.find(layer);
   if (it != windows_.end()) it->second->Clear();

@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/step_engine.h"
 #include "model/load_balance.h"
 #include "moe/v1/moe.pb.h"
 #include "prometheus/gauge.h"
-#include "engine/step_engine.h"
 #include "server/metrics/gateway_metrics.h"
 
 namespace moe {
@@ -33,6 +33,8 @@ struct BalanceOptions {
 
 class BalanceDiagnostics {
  public:
+  static constexpr size_t kMaxOverrideHistory = 64;  // newest SetRouterBias records kept
+  static constexpr size_t kMaxSourceBytes = 256;     // of a caller's `source` text
   BalanceDiagnostics(StepEngine* engine, GatewayMetrics* metrics, const BalanceOptions& options);
   ~BalanceDiagnostics();
 

@@ -83,7 +83,7 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   }
   ASSIGN_OR_RETURN(gateway->engine_,
                    StepEngine::Create(*gateway->checkpoint_, layers, std::move(placement),
-                                         options.precision, gateway->backend_.get(), steps));
+                                      options.precision, gateway->backend_.get(), steps));
   gateway->metrics_ = std::make_unique<GatewayMetrics>(
       config, gateway->engine_->layers(), gateway->engine_->placement(), options.metrics);
   gateway->engine_->SetObserver(gateway->metrics_.get());
@@ -147,12 +147,13 @@ absl::Status Gateway::Start() {
   control_service_ = std::make_unique<RankControlServiceImpl>(this);
   diagnostics_service_ = std::make_unique<DiagnosticsServiceImpl>(this);
   grpc::ServerBuilder builder;
+  // A second gateway on a port in use must fail, not share (and steal half of) its callers.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(absl::StrCat(options_.host, ":", options_.port),
                            grpc::InsecureServerCredentials(), &port_);
-  builder.SetMaxReceiveMessageSize(
-      static_cast<int>(std::min<int64_t>(options_.max_message_bytes, INT32_MAX)));
-  builder.SetMaxSendMessageSize(
-      static_cast<int>(std::min<int64_t>(options_.max_message_bytes, INT32_MAX)));
+  const int64_t message_limit = MessageLimit();
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(message_limit, INT32_MAX)));
+  builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(message_limit, INT32_MAX)));
   builder.RegisterService(moe_service_.get());
   builder.RegisterService(control_service_.get());
   builder.RegisterService(diagnostics_service_.get());
@@ -210,6 +211,14 @@ void Gateway::Shutdown(absl::Duration grace) {
 
 void Gateway::Wait() {
   if (server_ != nullptr) server_->Wait();
+}
+
+int64_t Gateway::MessageLimit() const {
+  if (options_.max_message_bytes > 0) return options_.max_message_bytes;
+  const MoeConfig& c = engine_->config();
+  const int64_t request = options_.max_request_tokens * c.hidden_size * int64_t{4};
+  const int64_t rank_result = options_.batcher.max_tokens_per_step * c.expert_input_size() * 8;
+  return std::max(request, rank_result) + (int64_t{1} << 20);
 }
 
 bool Gateway::ready() const {

@@ -16,13 +16,13 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "engine/step_engine.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
 #include "server/gateway/balance_diagnostics.h"
 #include "server/gateway/deferred_transport.h"
-#include "engine/step_engine.h"
 #include "server/gateway/step_batcher.h"
 #include "server/metrics/gateway_metrics.h"
 #include "transport/grpc_transport.h"
@@ -49,7 +49,10 @@ struct GatewayOptions {
   CpuBackendOptions cpu;        // gateway compute threads
   // NCCL: how long the communicator may take to form (ranks load their experts first).
   absl::Duration nccl_init_timeout = absl::Minutes(30);
-  int64_t max_message_bytes = int64_t{1} << 30;  // gRPC message limit (large K3 batches)
+  // gRPC message limit; 0 = what the model needs: the largest request (max_request_tokens of
+  // fp32 rows) or a rank's largest step result (max_tokens_per_step fp64 rows), plus 1 MiB.
+  // It bounds what one message can make the gateway allocate before it is refused.
+  int64_t max_message_bytes = 0;
   // Responses of one ForwardStream buffered for a client that reads slowly; beyond it, the
   // stream's new requests get RESOURCE_EXHAUSTED.
   int64_t max_stream_buffer_bytes = int64_t{64} << 20;
@@ -92,6 +95,7 @@ class Gateway {
   void EndRequest();
 
   int port() const { return port_; }
+  int64_t MessageLimit() const;  // the gRPC message limit in force (GatewayOptions)
   bool ready() const;
   std::string ReadinessMessage() const;  // "3 of 4 ranks up" when not ready
   const GatewayOptions& options() const { return options_; }

@@ -64,7 +64,8 @@ int main(int argc, char** argv) {
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
   flags.Int("metrics-port", &options.metrics_port,
             "Prometheus /metrics port (-1 = off, 0 = any free port)");
-  flags.String("metrics-host", &options.metrics_host, "metrics listen address");
+  std::string metrics_host;
+  flags.String("metrics-host", &metrics_host, "metrics listen address (default: the --host value)");
   flags.Bool("per-expert-metrics", &options.metrics.per_expert,
              "export per-expert series (experts x layers of them)");
   flags.Int("balance-window-steps", &options.metrics.window_steps,
@@ -92,6 +93,9 @@ int main(int argc, char** argv) {
     }
     options.layers.push_back(layer);
   }
+  // /metrics is as reachable as the API unless asked otherwise: a loopback gateway does not
+  // publish its traffic figures to the network.
+  options.metrics_host = metrics_host.empty() ? options.host : metrics_host;
   options.batcher.max_wait = absl::Microseconds(max_wait_us);
   options.balance.refresh = absl::Seconds(qb_refresh_s);
   options.batcher.step_timeout = absl::Milliseconds(step_timeout_ms);

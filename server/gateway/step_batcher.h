@@ -21,8 +21,8 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "model/dispatch.h"
 #include "engine/step_engine.h"
+#include "model/dispatch.h"
 
 namespace moe {
 

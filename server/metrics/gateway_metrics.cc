@@ -37,6 +37,7 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
     : config_(config),
       placement_(placement),
       options_(options),
+      served_layers_(layers.begin(), layers.end()),
       registry_(std::make_shared<prometheus::Registry>()) {
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
@@ -152,6 +153,12 @@ bool GatewayMetrics::WantsRouterScores() const {
 
 void GatewayMetrics::OnRequest(int layer, int grpc_code, absl::Duration latency,
                                absl::Duration queue) {
+  // The layer comes from the client: only served layers become label values, so no caller can
+  // mint new series.
+  if (served_layers_.count(layer) == 0) {
+    requests_->Add({{"layer", "unserved"}, {"code", L(grpc_code)}}).Increment();
+    return;
+  }
   requests_->Add({{"layer", L(layer)}, {"code", L(grpc_code)}}).Increment();
   if (grpc_code == 0) {
     request_seconds_->Add({{"layer", L(layer)}}, LatencyBuckets())

@@ -9,17 +9,18 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "engine/step_engine.h"
 #include "model/dispatch.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "engine/step_engine.h"
 #include "server/metrics/exposer.h"
 
 namespace moe {
@@ -75,6 +76,7 @@ class GatewayMetrics final : public StepObserver {
   MoeConfig config_;
   ExpertPlacement placement_;
   MetricsOptions options_;
+  const std::set<int> served_layers_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsServer> server_;
   int port_ = 0;

@@ -227,10 +227,11 @@ TEST_F(ClusterTest, StartsGatewayAndRanksReportsReadyAndStopsOnSigterm) {
                                       "--drain-timeout-s", "30", "--serve-after-ms", "300"}));
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(WaitForFile(absl::StrCat(dir_, "/rank-", i, ".pid")));
-    EXPECT_EQ(ReadLines(absl::StrCat(dir_, "/rank-", i, ".argv")),
-              (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_), "--rank",
-                                        std::to_string(i), "--threads", "3", "--metrics-port",
-                                        std::to_string(metrics + 1 + i)}));
+    EXPECT_EQ(
+        ReadLines(absl::StrCat(dir_, "/rank-", i, ".argv")),
+        (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_), "--rank",
+                                  std::to_string(i), "--threads", "3", "--metrics-port",
+                                  std::to_string(metrics + 1 + i), "--metrics-host", "127.0.0.1"}));
   }
   const pid_t gateway = ReadPid(dir_ + "/gateway.pid");
   const pid_t rank0 = ReadPid(dir_ + "/rank-0.pid");

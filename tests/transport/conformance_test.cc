@@ -151,6 +151,16 @@ class GrpcHarness final : public Harness {
     server_->Shutdown(absl::ToChronoTime(absl::Now()));
   }
   GatewayTransport& gateway() override { return gateway_; }
+  GrpcGatewayTransport& grpc_gateway() { return gateway_; }
+  // Rank `rank` sends a result for a step it was never given (a confused or hostile peer).
+  void SendStrayResult(int rank, uint64_t step_id) {
+    std::vector<double> zeros(8, 0.0);
+    std::lock_guard<std::mutex> lock(mu_);
+    ASSERT_NE(rank_transports_[rank], nullptr);
+    EXPECT_TRUE(rank_transports_[rank]
+                    ->Reply(step_id, ConstPartialView(zeros.data(), 1, 8, 8), RankStepStats{})
+                    .ok());
+  }
   void KillRank(int rank) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (rank_transports_[rank] != nullptr) rank_transports_[rank]->Cancel();
@@ -383,6 +393,26 @@ TEST_P(TransportContract, ARankGoneMidStepFailsItWithUnavailable) {
   // The other ranks still serve.
   auto rest = MakeStep(ranks_, layer, {0, 1}, 32);
   EXPECT_TRUE(RunStep(transport(), ranks_, *rest).ok());
+}
+
+// gRPC only: what a rank sends is only kept when the gateway awaits it.
+TEST(GrpcTransportTest, ResultsForStepsNotAwaitedAreDroppedAndCounted) {
+  Ranks ranks;
+  GrpcHarness harness(ranks);
+  const int layer = ranks.layers().front();
+  for (uint64_t stray = 1'000'000; stray < 1'000'100; ++stray) harness.SendStrayResult(1, stray);
+  // An abandoned step's late result is dropped the same way.
+  ranks.behavior(0).delay_ms = 300;
+  auto slow = MakeStep(ranks, layer, {0}, 41);
+  EXPECT_EQ(RunStep(harness.gateway(), ranks, *slow, absl::Milliseconds(50)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  ranks.behavior(0).delay_ms = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (harness.grpc_gateway().dropped_results() < 101 && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(harness.grpc_gateway().dropped_results(), 101);
+  auto next = MakeStep(ranks, layer, {0, 1, 2}, 42);
+  EXPECT_TRUE(RunStep(harness.gateway(), ranks, *next).ok()) << "the stream is unharmed";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, TransportContract, ::testing::Values("loopback", "grpc"),
