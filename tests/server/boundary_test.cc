@@ -46,16 +46,7 @@ grpc::Status Forward(moe::v1::MoeService::Stub& stub, int layer, int64_t tokens)
   return stub.Forward(&context, request, &response);
 }
 
-std::string Shell(const std::string& command) {
-  std::string out;
-  FILE* p = popen(command.c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  pclose(p);
-  return out;
-}
+using testing::Shell;
 
 TEST(BoundaryTest, TheMessageLimitFollowsTheModelNotOneGibibyte) {
   // 64 tokens of k3-mini: 160 KiB requests; 64-token steps: small rank results. The limit is

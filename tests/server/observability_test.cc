@@ -31,17 +31,7 @@ using testing::ClusterOptions;
 using testing::LocalCluster;
 using testing::TestCheckpoint;
 
-std::string Shell(const std::string& command, int* exit_code = nullptr) {
-  std::string out;
-  FILE* p = popen(command.c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  const int rc = pclose(p);
-  if (exit_code != nullptr) *exit_code = rc;
-  return out;
-}
+using testing::Shell;
 
 int FreePort() {
   // Bind-and-release through the kernel's ephemeral allocator (Prometheus needs a fixed one).

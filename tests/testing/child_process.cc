@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -93,6 +94,18 @@ std::string ChildProcess::WaitForLog(const std::string& text, absl::Duration tim
     if (absl::Now() > end) return "";
     absl::SleepFor(absl::Milliseconds(20));
   }
+}
+
+std::string Shell(const std::string& command, int* exit_code) {
+  std::string out;
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int rc = pclose(p);
+  if (exit_code != nullptr) *exit_code = rc;
+  return out;
 }
 
 }  // namespace moe::testing

@@ -35,4 +35,7 @@ class ChildProcess {
 
 std::string BinaryPath(const std::string& name);  // MOE_BINARY_DIR/bin/<name>
 
+// Runs `command` with /bin/sh; returns its stdout (exit status in `exit_code`, as pclose).
+std::string Shell(const std::string& command, int* exit_code = nullptr);
+
 }  // namespace moe::testing
