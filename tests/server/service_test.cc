@@ -540,8 +540,9 @@ TEST(ServiceTest, AStreamThatStopsReadingNeverDelaysOtherCallers) {
   absl::SleepFor(absl::Milliseconds(500));  // the gateway has run them; the outbox is stuck
 
   const absl::Duration during = Percentile(CallLatencies(cluster, x, 20), 0.99);
-  // 2x, plus 25 ms for a 2-core host's scheduling noise at these small figures.
-  EXPECT_LE(during, 2 * before + absl::Milliseconds(25))
+  // 2x, plus 50 ms for a loaded 2-core host's scheduling noise at these small figures (a
+  // blocked layer shows as seconds, or DEADLINE_EXCEEDED).
+  EXPECT_LE(during, 2 * before + absl::Milliseconds(50))
       << "p99 before " << before << ", with the stalled stream " << during;
 
   // Now read: every request is answered, in full or with the precise refusal.
@@ -613,7 +614,11 @@ TEST(ServiceTest, OneTokenCallsWaitAboutOneStepBehindALargeRequest) {
       absl::ToDoubleMilliseconds(one_step), absl::ToDoubleMilliseconds(p99),
       absl::ToDoubleMilliseconds(big.elapsed()));
   EXPECT_LT(smalls_done, big.elapsed()) << "the small calls must run beside the large one";
-  EXPECT_LE(p99, 3 * one_step + absl::Milliseconds(30)) << "one step " << one_step;
+  // About two steps (the piece running, then the step it shares): allow 3x that for a loaded
+  // 2-core host. Unsplit, a call arriving a quarter into the large request would wait for the
+  // other three quarters.
+  EXPECT_LE(p99, 6 * one_step + absl::Milliseconds(50)) << "one step " << one_step;
+  EXPECT_LT(p99, big.elapsed() / 4) << "the large request took " << big.elapsed();
   EXPECT_EQ(got.output, InProcess(dir, 1).Forward(large));
 }
 
