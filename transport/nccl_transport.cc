@@ -294,6 +294,11 @@ struct NcclGatewayTransport::State {
   bool in_flight = false;
   uint64_t in_flight_step = 0;
   std::condition_variable slot_free;  // in_flight went false (or the transport stopped)
+  // Set by RankDown from any thread; the stream waits poll it. `peer_down_why` is written
+  // before the flag is raised and read only after it is seen.
+  std::atomic<bool> peer_down{false};
+  std::mutex peer_down_mu;  // serializes RankDown callers
+  std::string peer_down_why;
   bool shut_down = false;
   Comm comm;  // last: destroyed (aborted if still alive) before the buffers it may use
 
@@ -376,6 +381,7 @@ absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
   // here until the one in flight is collected or abandoned, which its own deadline bounds.
   st.slot_free.wait(lock, [&] { return !st.in_flight || st.shut_down || st.comm.broken(); });
   if (st.shut_down) return absl::FailedPreconditionError("NCCL transport was shut down");
+  if (st.peer_down.load() && !st.comm.broken()) st.comm.Abort(st.peer_down_why);
   if (st.comm.broken()) return st.comm.BrokenStatus();
   // Validate everything before the first byte moves.
   const int R = st.R();
@@ -536,7 +542,13 @@ absl::Status NcclGatewayTransport::Collect(
   CUDA_RETURN_IF_ERROR(guard.status());
   st.in_flight = false;
   st.slot_free.notify_all();  // the next Send waits for st.mu, i.e. the end of this Collect
-  const absl::Status waited = st.comm.WaitStream(deadline, nullptr);
+  const absl::Status waited = st.peer_down.load() ? absl::CancelledError("a rank is down")
+                                                  : st.comm.WaitStream(deadline, &st.peer_down);
+  if (st.peer_down.load()) {
+    if (!st.comm.broken()) st.comm.Abort(st.peer_down_why);
+    return absl::UnavailableError(absl::StrCat("step ", dispatch.step_id, ": ", st.peer_down_why,
+                                               " (NCCL communicator aborted)"));
+  }
   if (absl::IsDeadlineExceeded(waited))
     return absl::DeadlineExceededError(absl::StrCat("step ", dispatch.step_id,
                                                     ": ranks did not answer before the deadline "
@@ -581,6 +593,18 @@ absl::Status NcclGatewayTransport::Collect(
     RETURN_IF_ERROR(consume(i, partial, stats));
   }
   return absl::OkStatus();
+}
+
+void NcclGatewayTransport::RankDown(int rank, absl::string_view why) {
+  State& st = *state_;
+  if (st.peer_down.load()) return;  // the first reason stands
+  {
+    // Not st.mu: a Collect holds it while it waits, and this must end that wait.
+    std::lock_guard<std::mutex> lock(st.peer_down_mu);
+    if (st.peer_down.load()) return;
+    st.peer_down_why = absl::StrCat("rank ", rank, " ", why);
+    st.peer_down.store(true);
+  }
 }
 
 void NcclGatewayTransport::Abandon(uint64_t step_id) {

@@ -87,6 +87,9 @@ class NcclGatewayTransport final : public GatewayTransport {
                        const std::function<absl::Status(size_t, ConstPartialView,
                                                         const RankStepStats&)>& consume) override;
   void Abandon(uint64_t step_id) override;
+  // Aborts the communicator (a member is gone: the group cannot finish a step without it), so
+  // a Collect waiting on the stream fails UNAVAILABLE at once. Any thread, any time.
+  void RankDown(int rank, absl::string_view why) override;
 
   // Tells every rank the exchange is over (their Receive returns CANCELLED) and finalizes
   // the communicator. Idempotent.

@@ -96,6 +96,11 @@ class GatewayTransport {
 
   // Gives up on a step (after a failure): late results are dropped.
   virtual void Abandon(uint64_t step_id) = 0;
+
+  // Liveness kept outside the transport (the exchange stream's heartbeats, for NCCL) marked
+  // `rank` down: the steps waiting on it fail UNAVAILABLE now, not at their deadline. A
+  // transport that watches its own peers (gRPC) has nothing to do.
+  virtual void RankDown(int rank, absl::string_view why) {}
 };
 
 // A step as a rank receives it; `rows` lives in the rank backend's memory and stays valid

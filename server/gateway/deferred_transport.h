@@ -39,6 +39,9 @@ class DeferredTransport final : public GatewayTransport {
   void Abandon(uint64_t step_id) override {
     if (GatewayTransport* t = Get()) t->Abandon(step_id);
   }
+  void RankDown(int rank, absl::string_view why) override {
+    if (GatewayTransport* t = Get()) t->RankDown(rank, why);
+  }
 
  private:
   GatewayTransport* Get() const {

@@ -266,6 +266,9 @@ std::vector<RankRecord> Gateway::ranks() const {
 
 void Gateway::OnRankState(int rank, bool up) {
   if (rank >= 0) metrics_->OnRankState(rank, up);
+  // Under NCCL the exchange stream is only the liveness channel: its verdict must reach the
+  // communicator, whose waits would otherwise last until the step deadline.
+  if (rank >= 0 && !up && nccl_ != nullptr) nccl_->RankDown(rank, "is down (liveness)");
   // Serialized, and the state re-read under the lock: the last callback leaves the health
   // status matching the transport, however rank transitions interleave.
   std::lock_guard<std::mutex> lock(health_mu_);

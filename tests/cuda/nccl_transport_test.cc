@@ -170,6 +170,16 @@ class NcclTransportTest : public ::testing::Test {
     }
   }
 
+  // Step 1 on the layer the rank answers only after 3 s.
+  static StepDispatch SlowStep(StepData& a) {
+    StepDispatch d;
+    d.step_id = 1;
+    d.layer = kSlowLayer;
+    d.precision = Precision::kBF16;
+    d.parts.push_back({0, a.device->View(a.n, a.width, a.stride), &a.assignments});
+    return d;
+  }
+
   // Sends one step to rank 0 and checks every element of its answer.
   void ExchangeAndCheck(uint64_t step_id, Precision p, StepData& s) {
     StepDispatch d;
@@ -300,11 +310,7 @@ TEST_F(NcclTransportTest, DeadlineAbortsTheCommunicator) {
   Start("deadline");
   if (gateway_ == nullptr) return;
   StepData a = MakeStep(backend_.get(), 2, 64, true);
-  StepDispatch d;
-  d.step_id = 1;
-  d.layer = kSlowLayer;
-  d.precision = Precision::kBF16;
-  d.parts.push_back({0, a.device->View(a.n, a.width, a.stride), &a.assignments});
+  StepDispatch d = SlowStep(a);
   ASSERT_TRUE(gateway_->Send(d).ok());
   const absl::Status st = gateway_->Collect(
       d, absl::Now() + absl::Milliseconds(500),
@@ -315,6 +321,31 @@ TEST_F(NcclTransportTest, DeadlineAbortsTheCommunicator) {
   const absl::Status again = gateway_->Send(d);
   EXPECT_EQ(again.code(), absl::StatusCode::kUnavailable) << again;
   EXPECT_NE(again.message().find("build a new one"), absl::string_view::npos) << again;
+}
+
+// The exchange stream's liveness marks the rank down while it computes (3 s): the step fails
+// UNAVAILABLE at once, not at its deadline, and the communicator is aborted.
+TEST_F(NcclTransportTest, ARankMarkedDownFailsTheStepInFlightAtOnce) {
+  Start("deadline");
+  if (gateway_ == nullptr) return;
+  StepData a = MakeStep(backend_.get(), 2, 64, true);
+  StepDispatch d = SlowStep(a);
+  ASSERT_TRUE(gateway_->Send(d).ok());
+  std::thread liveness([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    gateway_->RankDown(0, "sent nothing for 3000 ms");
+  });
+  const absl::Time t0 = absl::Now();
+  const absl::Status st = gateway_->Collect(
+      d, absl::Now() + absl::Seconds(20),
+      [](size_t, ConstPartialView, const RankStepStats&) { return absl::OkStatus(); });
+  liveness.join();
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_NE(st.message().find("rank 0 sent nothing for 3000 ms"), absl::string_view::npos) << st;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(2)) << "not the 20 s deadline";
+  EXPECT_TRUE(gateway_->broken());
+  d.step_id = 2;
+  EXPECT_EQ(gateway_->Send(d).code(), absl::StatusCode::kUnavailable);
 }
 
 // The rank process (started by the tests above); skipped when run on its own. Exits the
