@@ -22,10 +22,10 @@
 #include "absl/strings/str_split.h"
 #include "core/flags.h"
 #include "core/status.h"
+#include "engine/local_layer.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/tiers.h"
 #include "model/checkpoint.h"
-#include "engine/local_layer.h"
 #include "tools/bench/probes.h"
 #include "tools/bench/roofline.h"
 

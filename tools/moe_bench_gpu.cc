@@ -37,10 +37,10 @@
 #include "core/flags.h"
 #include "core/numerics.h"
 #include "core/status.h"
+#include "engine/local_layer.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_status.h"
 #include "model/checkpoint.h"
-#include "engine/local_layer.h"
 
 namespace moe {
 namespace {

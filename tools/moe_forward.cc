@@ -11,9 +11,9 @@
 #include "core/flags.h"
 #include "core/npy.h"
 #include "core/status.h"
+#include "engine/local_layer.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "engine/local_layer.h"
 
 namespace moe {
 namespace {

@@ -99,8 +99,8 @@ int main(int argc, char** argv) {
   options.batcher.max_wait = absl::Microseconds(max_wait_us);
   options.balance.refresh = absl::Seconds(qb_refresh_s);
   options.batcher.step_timeout = absl::Milliseconds(step_timeout_ms);
-  if (stream_buffer_mb < 1) {
-    std::fprintf(stderr, "moe-gateway: --stream-buffer-mb must be >= 1\n");
+  if (stream_buffer_mb < 1 || stream_buffer_mb > (int64_t{1} << 20)) {
+    std::fprintf(stderr, "moe-gateway: --stream-buffer-mb must be in 1..1048576\n");
     return 2;
   }
   options.max_stream_buffer_bytes = stream_buffer_mb << 20;

@@ -46,11 +46,6 @@ void StreamOutbox::WaitBelow(size_t max_messages) {
   cv_.wait(lock, [&] { return broken_ || queue_.size() < max_messages; });
 }
 
-bool StreamOutbox::broken() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return broken_;
-}
-
 void StreamOutbox::WriteLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {

@@ -39,7 +39,6 @@ class StreamOutbox {
   // Blocks while more than `max_messages` responses are queued (a client that keeps sending
   // but never reads: even its small error responses must not pile up without bound).
   void WaitBelow(size_t max_messages);
-  bool broken() const;
 
  private:
   void WriteLoop();

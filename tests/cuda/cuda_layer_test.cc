@@ -20,11 +20,11 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "engine/local_layer.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "model/checkpoint.h"
-#include "engine/local_layer.h"
 #include "model/synthetic.h"
 #include "tests/cuda/cuda_test_util.h"
 

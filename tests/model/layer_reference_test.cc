@@ -20,10 +20,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/npy.h"
+#include "engine/local_layer.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "engine/local_layer.h"
 #include "model/synthetic.h"
 #include "tests/testing/test_checkpoints.h"
 

@@ -9,10 +9,10 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/local_layer.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "engine/local_layer.h"
 #include "tests/kernels/tier_checks.h"
 #include "tests/kernels/tier_testing.h"
 #include "tests/testing/test_checkpoints.h"

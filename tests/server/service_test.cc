@@ -14,11 +14,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "engine/local_layer.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
-#include "engine/local_layer.h"
 #include "proto/tensor_codec.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/test_checkpoints.h"
