@@ -24,13 +24,13 @@ ctest --test-dir build -LE "$labels_exclude" --output-on-failure -j"$jobs" --tim
 if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ]; then
   echo "== ASan + UBSan build (unit tests)"
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_SANITIZE=ON >/dev/null
-  cmake --build build-asan -j"$jobs"
+  cmake --build build-asan -j"$jobs" --target moe-tests-unit
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan -L unit --output-on-failure -j"$jobs"
 
   echo "== TSan build (concurrent parts)"
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_TSAN=ON >/dev/null
-  cmake --build build-tsan -j"$jobs"
+  cmake --build build-tsan -j"$jobs" --target moe-tests-concurrency
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
     ctest --test-dir build-tsan -L "concurrency" --output-on-failure -j"$jobs"
 fi
