@@ -34,6 +34,7 @@
 #include "absl/time/time.h"
 #include "core/flags.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "security/credentials.h"
 #include "grpcpp/grpcpp.h"
 #include "server/cluster/process_group.h"
 
@@ -49,13 +50,19 @@ constexpr char kUsage[] =
     "to stdout once the gateway reports SERVING, and stops them all on SIGINT/SIGTERM: the\n"
     "gateway first (it drains the calls in flight), then the ranks. A rank that dies stops the\n"
     "cluster, or with --restart-ranks is started again (backoff 1 s doubling to 30 s).\n"
-    "Metrics ports, when --metrics-port M is given: gateway M, rank i M+1+i.";
+    "Metrics ports, when --metrics-port M is given: gateway M, rank i M+1+i.\n"
+    "Ranks authenticate with a cluster token: --cluster-token-file, or one made for this run\n"
+    "(random, in a 0700 temporary directory, removed at exit). --tls-* files go to the gateway\n"
+    "(its identity, and with --tls-ca mTLS) and to the ranks (trust, and their identity).";
 
 struct ClusterOptions {
   std::string checkpoint;
   int ranks = 0;
   int port = 50051;
+  int control_port = 0;  // 0: port + 1
   int metrics_port = 0;  // 0: no metrics flags
+  std::string cluster_token_file;  // "": one is made for the run
+  TlsFiles tls;
   std::string host = "127.0.0.1";
   int threads_per_rank = 0;  // 0: the rank's default
   std::string bin_dir;
@@ -129,8 +136,11 @@ bool PortAcceptsConnections(const std::string& host, int port) {
 // signals `ready_fd` (an eventfd).
 class HealthProbe {
  public:
-  HealthProbe(std::string target, int ready_fd)
-      : target_(std::move(target)), ready_fd_(ready_fd), thread_([this] { Loop(); }) {}
+  HealthProbe(std::string target, TlsFiles tls, int ready_fd)
+      : target_(std::move(target)),
+        tls_(std::move(tls)),
+        ready_fd_(ready_fd),
+        thread_([this] { Loop(); }) {}
   ~HealthProbe() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -154,8 +164,10 @@ class HealthProbe {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    auto stub = grpc::health::v1::Health::NewStub(
-        grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), args));
+    AddTlsChannelArgs(tls_, &args);
+    auto credentials = ChannelCredentials(tls_);  // checked in Main
+    auto stub = grpc::health::v1::Health::NewStub(grpc::CreateCustomChannel(
+        target_, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(), args));
     for (;;) {
       grpc::ClientContext context;
       context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -187,6 +199,7 @@ class HealthProbe {
   }
 
   const std::string target_;
+  const TlsFiles tls_;
   const int ready_fd_;
   // NOTES: std::mutex, not absl::Mutex, which ThreadSanitizer cannot see into (Debian's
   // Abseil is not instrumented).
@@ -409,6 +422,8 @@ int Cluster::Run() {
     return 1;
   }
   const std::string connect_address = HostPort(ConnectHost(options_.host), options_.port);
+  const std::string control_address =
+      HostPort(ConnectHost(options_.host), options_.control_port);
   const absl::Time ready_deadline = absl::Now() + absl::Seconds(options_.ready_timeout_s);
   auto not_ready = [&](absl::string_view what) {
     Log(absl::StrCat("not ready after ", options_.ready_timeout_s, " s (--ready-timeout-s): ", what,
@@ -424,7 +439,16 @@ int Cluster::Run() {
     gateway.insert(gateway.end(), {"--metrics-port", std::to_string(options_.metrics_port)});
   }
   gateway.insert(gateway.end(), {"--host", options_.host, "--drain-timeout-s",
-                                 absl::StrCat(options_.drain_timeout_s)});
+                                 absl::StrCat(options_.drain_timeout_s), "--control-port",
+                                 std::to_string(options_.control_port), "--cluster-token-file",
+                                 options_.cluster_token_file});
+  auto tls_flags = [&](std::vector<std::string>& argv) {
+    for (const auto& [flag, value] : {std::pair{"--tls-cert", options_.tls.cert},
+                                      std::pair{"--tls-key", options_.tls.key},
+                                      std::pair{"--tls-ca", options_.tls.ca}})
+      if (!value.empty()) argv.insert(argv.end(), {flag, value});
+  };
+  tls_flags(gateway);
   gateway.insert(gateway.end(), options_.gateway_extra.begin(), options_.gateway_extra.end());
   gateway_pid_ = StartChild("gateway", gateway);
   if (gateway_pid_ < 0) return StopAll(1);
@@ -446,8 +470,16 @@ int Cluster::Run() {
   }
 
   for (int i = 0; i < options_.ranks; ++i) {
-    std::vector<std::string> rank = {options_.bin_dir + "/moe-rank", "--gateway", connect_address,
-                                     "--rank", std::to_string(i)};
+    std::vector<std::string> rank = {options_.bin_dir + "/moe-rank",
+                                     "--gateway",
+                                     control_address,
+                                     "--rank",
+                                     std::to_string(i),
+                                     "--cluster-token-file",
+                                     options_.cluster_token_file};
+    tls_flags(rank);
+    if (!options_.tls.server_name.empty())
+      rank.insert(rank.end(), {"--tls-server-name", options_.tls.server_name});
     if (options_.threads_per_rank > 0) {
       rank.insert(rank.end(), {"--threads", std::to_string(options_.threads_per_rank)});
     }
@@ -464,7 +496,7 @@ int Cluster::Run() {
   }
 
   // NOTES: the probe starts after the last fork, so no gRPC thread exists while forking.
-  probe_ = std::make_unique<HealthProbe>(connect_address, ready_fd_);
+  probe_ = std::make_unique<HealthProbe>(connect_address, options_.tls, ready_fd_);
   bool ready = false;
   for (;;) {
     const absl::Time next_restart = NextRestart();
@@ -484,13 +516,43 @@ int Cluster::Run() {
       case Event::kDeadline:
         if (absl::Now() >= next_restart) {
           if (!RestartDueRanks()) return StopAll(1);
-          if (!ready) probe_ = std::make_unique<HealthProbe>(connect_address, ready_fd_);
+          if (!ready) probe_ = std::make_unique<HealthProbe>(connect_address, options_.tls, ready_fd_);
           break;
         }
         return not_ready(absl::StrCat("gateway health check: ",
                                       probe_ ? probe_->last_result() : "(probe stopped)"));
     }
   }
+}
+
+// A 0700 directory holding a 0600 file of 32 random bytes in hex; returns the directory.
+absl::StatusOr<std::string> MakeTokenDir() {
+  const char* tmp = getenv("TMPDIR");
+  std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
+                                     "/moe-cluster-XXXXXX");
+  if (mkdtemp(pattern.data()) == nullptr)
+    return absl::InternalError(absl::StrCat("mkdtemp ", pattern, ": ", strerror(errno)));
+  unsigned char bytes[32];
+  const int random = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  const bool got = random >= 0 && read(random, bytes, sizeof bytes) == sizeof bytes;
+  if (random >= 0) close(random);
+  if (!got) {
+    rmdir(pattern.c_str());
+    return absl::InternalError("cannot read /dev/urandom for the cluster token");
+  }
+  std::string token;
+  for (unsigned char b : bytes) absl::StrAppend(&token, absl::Hex(b, absl::kZeroPad2));
+  const std::string path = pattern + "/cluster-token";
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const bool written = fd >= 0 && write(fd, token.data(), token.size()) ==
+                                      static_cast<ssize_t>(token.size());
+  if (fd >= 0) close(fd);
+  if (!written) {
+    unlink(path.c_str());
+    rmdir(pattern.c_str());
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
+  return pattern;
 }
 
 int Main(int argc, char** argv) {
@@ -507,6 +569,18 @@ int Main(int argc, char** argv) {
   flags.String("checkpoint", &options.checkpoint, "checkpoint directory, passed to moe-gateway");
   flags.Int("ranks", &options.ranks, "number of moe-rank processes");
   flags.Int("port", &options.port, "gateway gRPC port");
+  flags.Int("control-port", &options.control_port,
+            "gateway control port the ranks register on (0: --port + 1)");
+  flags.String("cluster-token-file", &options.cluster_token_file,
+               "cluster token for the gateway and the ranks (default: a random one for this run)");
+  flags.String("tls-cert", &options.tls.cert, "PEM certificate: the gateway's identity, and the "
+                                              "ranks' under mTLS (so valid for both uses)");
+  flags.String("tls-key", &options.tls.key, "PEM private key of --tls-cert");
+  flags.String("tls-ca", &options.tls.ca,
+               "PEM CA bundle that signed --tls-cert: trust for ranks and health probe, and "
+               "mTLS on the gateway");
+  flags.String("tls-server-name", &options.tls.server_name,
+               "name in --tls-cert to verify when it does not name the --host address");
   flags.Int("metrics-port", &options.metrics_port,
             "Prometheus port of the gateway; rank i gets M+1+i (0: no metrics flags)");
   flags.String("host", &options.host, "gateway listen address");
@@ -549,12 +623,44 @@ int Main(int argc, char** argv) {
                                       " include --port ", options.port));
     }
   }
+  if (options.control_port == 0) options.control_port = options.port + 1;
+  if (options.control_port < 1 || options.control_port > 65535 ||
+      options.control_port == options.port)
+    return usage_error(absl::StrCat("--control-port must be in 1..65535 and differ from --port"));
+  if (options.metrics_port != 0 && options.control_port >= options.metrics_port &&
+      options.control_port <= options.metrics_port + options.ranks)
+    return usage_error(absl::StrCat("--metrics-port: ports ", options.metrics_port, "..",
+                                    options.metrics_port + options.ranks, " include the control port ",
+                                    options.control_port, " (set --control-port)"));
+  if (!options.tls.cert.empty() && options.tls.ca.empty())
+    return usage_error("--tls-cert needs --tls-ca: the ranks must trust the gateway's certificate");
+  if (absl::Status s = CheckTlsFiles(options.tls, /*server=*/true); !s.ok())
+    return usage_error(s.message());
   if (options.threads_per_rank < 0) return usage_error("--threads-per-rank must be >= 0");
   if (!(options.ready_timeout_s > 0)) return usage_error("--ready-timeout-s must be > 0");
   if (!(options.stop_timeout_s >= 0)) return usage_error("--stop-timeout-s must be >= 0");
   if (!(options.drain_timeout_s >= 0)) return usage_error("--drain-timeout-s must be >= 0");
 
   if (options.bin_dir.empty()) options.bin_dir = ExecutableDir();
+  // A token for this run: every process on the host could otherwise register as a rank.
+  std::string token_dir;
+  if (options.cluster_token_file.empty()) {
+    absl::StatusOr<std::string> dir = MakeTokenDir();
+    if (!dir.ok()) {
+      Log(std::string(dir.status().message()));
+      return 1;
+    }
+    token_dir = *dir;
+    options.cluster_token_file = token_dir + "/cluster-token";
+  }
+  struct RemoveTokenDir {
+    std::string dir;
+    ~RemoveTokenDir() {
+      if (dir.empty()) return;
+      unlink((dir + "/cluster-token").c_str());
+      rmdir(dir.c_str());
+    }
+  } remove_token_dir{token_dir};
   for (const char* program : {"moe-gateway", "moe-rank"}) {
     const std::string path = absl::StrCat(options.bin_dir, "/", program);
     if (access(path.c_str(), X_OK) != 0) {

@@ -40,7 +40,17 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   if (options.transport == "nccl" && options.backend != "cuda")
     return absl::InvalidArgumentError(
         "--transport nccl needs --backend cuda (NCCL moves device memory)");
+  if (options.max_concurrent_requests < 1)
+    return absl::InvalidArgumentError("--max-concurrent-requests must be at least 1");
+  if (options.port == options.control_port && options.port != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--control-port must differ from --port (both ", options.port, ")"));
+  RETURN_IF_ERROR(CheckTlsFiles(options.tls, /*server=*/true));
+  AccessOptions access = options.access;
+  access.control_mtls = options.tls.mutual();
   std::unique_ptr<Gateway> gateway(new Gateway(options));
+  gateway->access_ = std::make_unique<AccessControl>(access, nullptr);
+  RETURN_IF_ERROR(gateway->access_->CheckConfiguration());
   ASSIGN_OR_RETURN(gateway->checkpoint_, Checkpoint::Open(options.checkpoint));
   const MoeConfig& config = gateway->checkpoint_->config();
   std::vector<int> layers = options.layers;
@@ -87,6 +97,7 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   gateway->metrics_ = std::make_unique<GatewayMetrics>(
       config, gateway->engine_->layers(), gateway->engine_->placement(), options.metrics);
   gateway->engine_->SetObserver(gateway->metrics_.get());
+  gateway->access_ = std::make_unique<AccessControl>(access, gateway->metrics_.get());
   BalanceOptions balance = options.balance;
   balance.per_expert = options.metrics.per_expert;
   gateway->diagnostics_ = std::make_unique<BalanceDiagnostics>(gateway->engine_.get(),
@@ -141,21 +152,34 @@ absl::Status Gateway::Start() {
     RETURN_IF_ERROR(
         metrics_->Serve(absl::StrCat(options_.metrics_host, ":", options_.metrics_port)));
   }
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   ServerCredentials(options_.tls));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   moe_service_ = std::make_unique<MoeServiceImpl>(this);
   control_service_ = std::make_unique<RankControlServiceImpl>(this);
   diagnostics_service_ = std::make_unique<DiagnosticsServiceImpl>(this);
+  const int message_limit = static_cast<int>(std::min<int64_t>(MessageLimit(), INT32_MAX));
+  auto listen = [&](grpc::ServerBuilder& builder, const std::string& host, int port, int* bound) {
+    // A second gateway on a port in use must fail, not share (and steal half of) its callers.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.AddListeningPort(absl::StrCat(host, ":", port), credentials, bound);
+    builder.SetMaxReceiveMessageSize(message_limit);
+    builder.SetMaxSendMessageSize(message_limit);
+  };
+  // The control port first: ranks may connect as soon as the public port answers health.
+  grpc::ServerBuilder control;
+  const std::string control_host =
+      options_.control_host.empty() ? options_.host : options_.control_host;
+  listen(control, control_host, options_.control_port, &control_port_);
+  control.RegisterService(control_service_.get());
+  control_server_ = control.BuildAndStart();
+  if (control_server_ == nullptr || control_port_ == 0)
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", control_host, ":",
+                                               options_.control_port, " (--control-port)"));
   grpc::ServerBuilder builder;
-  // A second gateway on a port in use must fail, not share (and steal half of) its callers.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(absl::StrCat(options_.host, ":", options_.port),
-                           grpc::InsecureServerCredentials(), &port_);
-  const int64_t message_limit = MessageLimit();
-  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(message_limit, INT32_MAX)));
-  builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(message_limit, INT32_MAX)));
+  listen(builder, options_.host, options_.port, &port_);
   builder.RegisterService(moe_service_.get());
-  builder.RegisterService(control_service_.get());
   builder.RegisterService(diagnostics_service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0)
@@ -169,9 +193,14 @@ absl::Status Gateway::Start() {
   return absl::OkStatus();
 }
 
-void Gateway::BeginRequest() {
+absl::Status Gateway::TryBeginRequest() {
   std::lock_guard<std::mutex> lock(in_flight_mu_);
+  if (in_flight_ >= options_.max_concurrent_requests)
+    return absl::ResourceExhaustedError(
+        absl::StrCat(in_flight_, " requests in flight, the gateway's limit "
+                                 "(--max-concurrent-requests); retry later"));
   ++in_flight_;
+  return absl::OkStatus();
 }
 
 void Gateway::EndRequest() {
@@ -204,6 +233,11 @@ void Gateway::Shutdown(absl::Duration grace) {
     server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
     server_->Wait();
     server_.reset();
+  }
+  if (control_server_ != nullptr) {
+    control_server_->Shutdown(absl::ToChronoTime(absl::Now()));
+    control_server_->Wait();
+    control_server_.reset();
   }
   batcher_.reset();
   diagnostics_.reset();

@@ -1,8 +1,9 @@
 // The gateway process: public gRPC API, rank control plane, batching, the layer math.
 //
 //   Gateway::Create   loads the checkpoint's gateway tensors, builds backend + transport
-//   Gateway::Start    serves moe.v1.MoeService, moe.v1.internal.RankControl, grpc.health.v1
-//                     and server reflection; NOT_SERVING until every rank has loaded
+//   Gateway::Start    serves moe.v1.MoeService, MoeDiagnostics, grpc.health.v1 and server
+//                     reflection on the public port, moe.v1.internal.RankControl on the control
+//                     port; NOT_SERVING until every rank has loaded
 //   Gateway::Drain    NOT_SERVING at once, new calls UNAVAILABLE, waits for in-flight ones
 //   Gateway::Shutdown stops the server (after Drain: at once)
 #pragma once
@@ -21,6 +22,8 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
+#include "security/credentials.h"
+#include "server/gateway/access_control.h"
 #include "server/gateway/balance_diagnostics.h"
 #include "server/gateway/deferred_transport.h"
 #include "server/gateway/step_batcher.h"
@@ -39,6 +42,14 @@ struct GatewayOptions {
   int num_ranks = 1;             // expert ranks to wait for
   std::string host = "0.0.0.0";  // listen address
   int port = 50051;              // 0 = pick a free port (see Gateway::port)
+  // RankControl (registration, the exchange streams) on a port of its own: it can stay off
+  // published ports and load balancers, and the public reflection never lists it.
+  std::string control_host;  // "" = host
+  int control_port = 50052;  // 0 = pick a free port (see Gateway::control_port)
+  TlsFiles tls;              // both ports; tls.ca makes client certificates required (mTLS)
+  AccessOptions access;      // tokens (read from their files by the caller)
+  // Requests accepted at once (a stream's requests count one each); beyond: RESOURCE_EXHAUSTED.
+  int64_t max_concurrent_requests = 1024;
   Precision precision = Precision::kBF16;
   std::string transport = "grpc";  // "grpc" (CPU hosts) or "nccl" (GPUs)
   std::string placement_file;      // explicit rank -> experts map; default: contiguous ranges
@@ -90,11 +101,14 @@ class Gateway {
 
   bool draining() const { return draining_.load(); }
   // Requests accepted and not yet answered (a ForwardStream counts each of its requests).
-  // The services bracket each request with these.
-  void BeginRequest();
+  // The services bracket each request with these; TryBeginRequest refuses (RESOURCE_EXHAUSTED)
+  // past max_concurrent_requests.
+  absl::Status TryBeginRequest();
   void EndRequest();
 
   int port() const { return port_; }
+  int control_port() const { return control_port_; }
+  AccessControl& access() { return *access_; }
   int64_t MessageLimit() const;  // the gRPC message limit in force (GatewayOptions)
   bool ready() const;
   std::string ReadinessMessage() const;  // "3 of 4 ranks up" when not ready
@@ -151,10 +165,13 @@ class Gateway {
   std::unique_ptr<MoeServiceImpl> moe_service_;
   std::unique_ptr<RankControlServiceImpl> control_service_;
   std::unique_ptr<DiagnosticsServiceImpl> diagnostics_service_;
+  std::unique_ptr<AccessControl> access_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> control_server_;
   std::mutex health_mu_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // guarded by health_mu_
   int port_ = 0;
+  int control_port_ = 0;
   std::atomic<bool> draining_{false};
   std::mutex in_flight_mu_;
   std::condition_variable in_flight_cv_;

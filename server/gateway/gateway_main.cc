@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/flags.h"
+#include "security/tokens.h"
 #include "server/gateway/gateway.h"
 
 namespace {
@@ -25,12 +26,31 @@ int main(int argc, char** argv) {
   int64_t heartbeat_ms = 500, rank_timeout_ms = 3000;
   moe::Flags flags(
       "usage: moe-gateway --checkpoint DIR --ranks N [--port P] [options]\n\n"
-      "Serves moe.v1.MoeService (Forward, ForwardStream, GetModelInfo), grpc.health.v1 and server\n"
-      "reflection; ready (SERVING) once every rank has registered and loaded its experts.");
+      "Serves moe.v1.MoeService (Forward, ForwardStream, GetModelInfo), MoeDiagnostics,\n"
+      "grpc.health.v1 and server reflection on --port, and the ranks' control plane on\n"
+      "--control-port; ready (SERVING) once every rank has registered and loaded its experts.");
   flags.String("checkpoint", &options.checkpoint, "checkpoint directory");
   flags.Int("ranks", &options.num_ranks, "number of expert ranks");
   flags.String("host", &options.host, "listen address");
   flags.Int("port", &options.port, "listen port (0 = any free port, printed at start)");
+  flags.String("control-host", &options.control_host,
+               "listen address of the control port (default: the --host value)");
+  flags.Int("control-port", &options.control_port,
+            "port the ranks register on (moe-rank --gateway HOST:PORT); keep it off published "
+            "ports (0 = any free port, printed at start)");
+  moe::AddTlsFlags(flags, &options.tls, /*server=*/true);
+  std::string cluster_token_file, api_token_file, admin_token_file;
+  flags.String("cluster-token-file", &cluster_token_file,
+               "shared secret the ranks must present (their --cluster-token-file)");
+  flags.Bool("insecure-cluster", &options.access.insecure_cluster,
+             "accept ranks without a token or client certificate (only where nothing untrusted "
+             "can reach the control port)");
+  flags.String("api-token-file", &api_token_file,
+               "require `authorization: Bearer <token>` on MoeService calls");
+  flags.String("admin-token-file", &admin_token_file,
+               "require this token on MoeDiagnostics calls (PERMISSION_DENIED otherwise)");
+  flags.Int("max-concurrent-requests", &options.max_concurrent_requests,
+            "requests in flight at once (RESOURCE_EXHAUSTED beyond)");
   flags.String("layers", &layers,
                "served MoE layers, comma separated (default: all in the checkpoint)");
   flags.String("dtype", &dtype, "bf16 (the numerics contract) or fp32 (no intermediate rounding)");
@@ -93,6 +113,8 @@ int main(int argc, char** argv) {
     }
     options.layers.push_back(layer);
   }
+  // A gateway on any free port (tests, several on one host) takes any free control port too.
+  if (options.port == 0 && !flags.WasSet("control-port")) options.control_port = 0;
   // /metrics is as reachable as the API unless asked otherwise: a loopback gateway does not
   // publish its traffic figures to the network.
   options.metrics_host = metrics_host.empty() ? options.host : metrics_host;
@@ -116,6 +138,21 @@ int main(int argc, char** argv) {
   }
   options.liveness.heartbeat = absl::Milliseconds(heartbeat_ms);
   options.liveness.peer_timeout = absl::Milliseconds(rank_timeout_ms);
+  for (auto [file, token] : {std::pair{&cluster_token_file, &options.access.cluster_token},
+                             std::pair{&api_token_file, &options.access.api_token},
+                             std::pair{&admin_token_file, &options.access.admin_token}}) {
+    if (file->empty()) continue;
+    auto read = moe::ReadTokenFile(*file);
+    if (!read.ok()) {
+      std::fprintf(stderr, "moe-gateway: %s\n", std::string(read.status().message()).c_str());
+      return 2;
+    }
+    *token = *read;
+  }
+  if (options.balance.allow_bias_override && options.access.admin_token.empty())
+    std::fprintf(stderr,
+                 "moe-gateway: warning: --allow-bias-override without --admin-token-file: anyone "
+                 "who reaches the API can steer the router\n");
 
   auto gateway = moe::Gateway::Create(options);
   if (!gateway.ok()) {
@@ -126,11 +163,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe-gateway: %s\n", s.ToString().c_str());
     return 1;
   }
+  std::fprintf(stderr, "moe-gateway: control plane on %s:%d (%s%s)\n",
+               (options.control_host.empty() ? options.host : options.control_host).c_str(),
+               (*gateway)->control_port(), options.tls.mutual() ? "mTLS" : "",
+               options.access.cluster_token.empty()
+                   ? (options.tls.mutual() ? "" : "unauthenticated: --insecure-cluster")
+                   : (options.tls.mutual() ? " + cluster token" : "cluster token"));
   std::fprintf(stderr,
-               "moe-gateway: serving %s on %s:%d, layers %s, backend %s; waiting for %d ranks\n",
+               "moe-gateway: serving %s on %s:%d, layers %s, backend %s, %s; waiting for %d ranks\n",
                options.checkpoint.c_str(), options.host.c_str(), (*gateway)->port(),
                absl::StrJoin((*gateway)->engine().layers(), ",").c_str(),
-               (*gateway)->backend_name().c_str(), options.num_ranks);
+               (*gateway)->backend_name().c_str(),
+               options.tls.server_enabled() ? (options.tls.mutual() ? "mTLS" : "TLS") : "plaintext",
+               options.num_ranks);
   if (options.metrics_port >= 0)
     std::fprintf(stderr, "moe-gateway: metrics on %s:%d/metrics\n", options.metrics_host.c_str(),
                  (*gateway)->metrics_port());

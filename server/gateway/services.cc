@@ -59,12 +59,14 @@ void FillResponse(const ForwardCall& call, const ValidatedRequest& v, const Forw
   timing->set_step_tokens(static_cast<int32_t>(call.step_tokens));
 }
 
-// About what the response to a validated request takes on the wire (output and routing).
-int64_t ResponseBytes(const ValidatedRequest& v, const ForwardRequest& request) {
+// About what the response to a validated request takes on the wire: the output, and the
+// routing (an int32 id and a float weight per choice, each with up to a byte of varint framing
+// slack: 10 bytes, rounded up to 12).
+int64_t ResponseBytes(const ValidatedRequest& v, const ForwardRequest& request, int top_k) {
   int64_t elements = 1;
   for (int64_t d : v.input.shape) elements *= d;
   const int64_t width = v.output_dtype == moe::v1::FP32 ? 4 : 2;
-  return elements * width + (request.return_routing() ? v.tokens * 64 : 0);
+  return elements * width + (request.return_routing() ? v.tokens * top_k * int64_t{12} : 0);
 }
 
 absl::Time DeadlineOf(const grpc::ServerContext& context) {
@@ -77,12 +79,17 @@ absl::Time DeadlineOf(const grpc::ServerContext& context) {
 
 grpc::Status MoeServiceImpl::Forward(grpc::ServerContext* context, const ForwardRequest* request,
                                      ForwardResponse* response) {
+  if (grpc::Status s = gateway_->access().Caller(*context, "Forward"); !s.ok()) return s;
   const absl::Time start = absl::Now();
   absl::Duration queue;
   // Counted before MakeCall checks draining(): Drain either sees this request or it sees drain.
-  gateway_->BeginRequest();
-  grpc::Status status = ForwardOnce(context, request, response, &queue);
-  gateway_->EndRequest();
+  grpc::Status status;
+  if (absl::Status admitted = gateway_->TryBeginRequest(); !admitted.ok()) {
+    status = ToGrpcStatus(admitted);
+  } else {
+    status = ForwardOnce(context, request, response, &queue);
+    gateway_->EndRequest();
+  }
   gateway_->metrics().OnRequest(request->layer(), status.error_code(), absl::Now() - start, queue);
   return status;
 }
@@ -111,6 +118,7 @@ grpc::Status MoeServiceImpl::ForwardOnce(grpc::ServerContext* context,
 grpc::Status MoeServiceImpl::ForwardStream(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<ForwardResponse, ForwardRequest>* stream) {
+  if (grpc::Status s = gateway_->access().Caller(*context, "ForwardStream"); !s.ok()) return s;
   // Requests run concurrently; each response is queued when its step completes and written by
   // the outbox's thread, so a client that stops reading never holds up a step.
   std::mutex mu;
@@ -130,9 +138,15 @@ grpc::Status MoeServiceImpl::ForwardStream(
     outbox.WaitBelow(kMaxQueuedStreamResponses);
     if (!stream->Read(&request)) break;
     auto validated = std::make_shared<ValidatedRequest>();
-    gateway_->BeginRequest();  // ended in on_done, or below when the request never runs
+    // Ended in on_done, or below when the request never runs.
+    if (absl::Status admitted = gateway_->TryBeginRequest(); !admitted.ok()) {
+      outbox.Push(error_response(request, admitted));
+      continue;
+    }
     auto call = MakeCall(*gateway_, request, DeadlineOf(*context), validated.get());
-    const int64_t reserved = call.ok() ? ResponseBytes(*validated, request) : 0;
+    const int64_t reserved =
+        call.ok() ? ResponseBytes(*validated, request, gateway_->engine().config().routing.top_k)
+                  : 0;
     if (call.ok()) {
       if (absl::Status s = outbox.Admit(reserved); !s.ok()) {
         gateway_->metrics().OnRequest(request.layer(), static_cast<int>(s.code()),
@@ -192,8 +206,10 @@ grpc::Status MoeServiceImpl::ForwardStream(
   return grpc::Status::OK;
 }
 
-grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext*, const moe::v1::GetModelInfoRequest*,
+grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext* context,
+                                          const moe::v1::GetModelInfoRequest*,
                                           moe::v1::ModelInfo* info) {
+  if (grpc::Status s = gateway_->access().Caller(*context, "GetModelInfo"); !s.ok()) return s;
   const MoeConfig& c = gateway_->engine().config();
   info->set_family(ModelFamilyName(c.family));
   info->set_model_type(c.model_type);
@@ -230,9 +246,10 @@ grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext*, const moe::v1::G
 
 // ---- diagnostics ----------------------------------------------------------------------------
 
-grpc::Status DiagnosticsServiceImpl::GetLoadBalance(grpc::ServerContext*,
+grpc::Status DiagnosticsServiceImpl::GetLoadBalance(grpc::ServerContext* context,
                                                     const moe::v1::GetLoadBalanceRequest* request,
                                                     moe::v1::LoadBalanceReport* response) {
+  if (grpc::Status s = gateway_->access().Admin(*context, "GetLoadBalance"); !s.ok()) return s;
   auto report = gateway_->diagnostics().Report(request->layer());
   if (!report.ok()) return ToGrpcStatus(report.status());
   *response = std::move(*report);
@@ -240,8 +257,9 @@ grpc::Status DiagnosticsServiceImpl::GetLoadBalance(grpc::ServerContext*,
 }
 
 grpc::Status DiagnosticsServiceImpl::GetPlacementAdvice(
-    grpc::ServerContext*, const moe::v1::GetPlacementAdviceRequest* request,
+    grpc::ServerContext* context, const moe::v1::GetPlacementAdviceRequest* request,
     moe::v1::PlacementAdvice* response) {
+  if (grpc::Status s = gateway_->access().Admin(*context, "GetPlacementAdvice"); !s.ok()) return s;
   auto advice = gateway_->diagnostics().Advice(request->layer(), request->redundant_experts());
   if (!advice.ok()) return ToGrpcStatus(advice.status());
   *response = std::move(*advice);
@@ -251,6 +269,7 @@ grpc::Status DiagnosticsServiceImpl::GetPlacementAdvice(
 grpc::Status DiagnosticsServiceImpl::SetRouterBias(grpc::ServerContext* context,
                                                    const moe::v1::SetRouterBiasRequest* request,
                                                    moe::v1::SetRouterBiasResponse* response) {
+  if (grpc::Status s = gateway_->access().Admin(*context, "SetRouterBias"); !s.ok()) return s;
   const std::string source = request->source().empty() ? context->peer() : request->source();
   auto record = gateway_->diagnostics().SetRouterBias(
       request->layer(), std::vector<float>(request->bias().begin(), request->bias().end()), source);
@@ -264,6 +283,7 @@ grpc::Status DiagnosticsServiceImpl::SetRouterBias(grpc::ServerContext* context,
 grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
                                               const moe::v1::internal::RegisterRequest* request,
                                               moe::v1::internal::RegisterResponse* response) {
+  if (grpc::Status s = gateway_->access().Rank(*context, "Register"); !s.ok()) return s;
   auto rank = gateway_->ClaimRank(request->requested_rank());
   if (!rank.ok()) return ToGrpcStatus(rank.status());
   RankRecord record;
@@ -297,6 +317,7 @@ grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
 
 grpc::Status RankControlServiceImpl::Exchange(grpc::ServerContext* context,
                                               ExchangeServerStream* stream) {
+  if (grpc::Status s = gateway_->access().Rank(*context, "Exchange"); !s.ok()) return s;
   moe::v1::internal::RankToGateway first;
   if (!stream->Read(&first))
     return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");

@@ -106,6 +106,12 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
                          .Name("moe_transport_received_bytes_total")
                          .Help("Bytes of partial sums received from each rank")
                          .Register(*registry_);
+  auth_failures_ = &BuildCounter()
+                        .Name("moe_auth_failures_total")
+                        .Help("Calls refused for a missing or wrong credential, by plane "
+                              "(control: ranks, api: callers, admin: MoeDiagnostics)")
+                        .Register(*registry_);
+  for (const char* plane : {"control", "api", "admin"}) auth_failures_->Add({{"plane", plane}});
   info_ =
       &BuildGauge().Name("moe_model_info").Help("The served model (value 1)").Register(*registry_);
   info_
@@ -174,6 +180,10 @@ void GatewayMetrics::OnRankState(int rank, bool up) {
 
 void GatewayMetrics::SetRankWeightBytes(int rank, int64_t bytes) {
   rank_weight_bytes_->Add({{"rank", L(rank)}}).Set(static_cast<double>(bytes));
+}
+
+void GatewayMetrics::OnAuthFailure(const std::string& plane) {
+  auth_failures_->Add({{"plane", plane}}).Increment();
 }
 
 void GatewayMetrics::OnStep(const StepStats& s) {

@@ -56,6 +56,8 @@ class GatewayMetrics final : public StepObserver {
   void OnRequest(int layer, int grpc_code, absl::Duration latency, absl::Duration queue);
   void OnRankState(int rank, bool up);
   void SetRankWeightBytes(int rank, int64_t bytes);
+  // A call refused by AccessControl; plane: "control", "api" or "admin".
+  void OnAuthFailure(const std::string& plane);
 
   LayerLoad Load(int layer) const;
 
@@ -95,6 +97,7 @@ class GatewayMetrics final : public StepObserver {
   prometheus::Family<prometheus::Gauge>* rank_weight_bytes_;
   prometheus::Family<prometheus::Counter>* sent_bytes_;
   prometheus::Family<prometheus::Counter>* received_bytes_;
+  prometheus::Family<prometheus::Counter>* auth_failures_;
   prometheus::Family<prometheus::Gauge>* info_;
 
   mutable std::mutex mu_;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/flags.h"
+#include "security/tokens.h"
 #include "server/metrics/rank_metrics.h"
 #include "server/rank/rank_worker.h"
 
@@ -26,10 +27,15 @@ int main(int argc, char** argv) {
   int metrics_port = -1;
   std::string metrics_host = "0.0.0.0";
   moe::Flags flags(
-      "usage: moe-rank --gateway HOST:PORT [--rank R] [options]\n\n"
+      "usage: moe-rank --gateway HOST:CONTROL_PORT [--rank R] [options]\n\n"
       "Registers with moe-gateway, loads its shard of the routed experts (memory-mapped from the\n"
       "checkpoint, in their stored format) and serves steps until stopped.");
-  flags.String("gateway", &options.gateway, "gateway address HOST:PORT");
+  flags.String("gateway", &options.gateway,
+               "the gateway's control address HOST:PORT (its --control-port)");
+  moe::AddTlsFlags(flags, &options.tls, /*server=*/false);
+  std::string cluster_token_file;
+  flags.String("cluster-token-file", &cluster_token_file,
+               "shared secret the gateway requires (its --cluster-token-file)");
   flags.Int("rank", &options.requested_rank, "rank id to claim (-1: the gateway assigns one)");
   flags.String("checkpoint", &options.checkpoint,
                "checkpoint directory, if mounted elsewhere than on the gateway");
@@ -49,6 +55,18 @@ int main(int argc, char** argv) {
             "fault injection: delay every step (tests only)");
   flags.Require("gateway");
   flags.ParseOrExit(argc, argv);
+  if (!cluster_token_file.empty()) {
+    auto token = moe::ReadTokenFile(cluster_token_file);
+    if (!token.ok()) {
+      std::fprintf(stderr, "moe-rank: %s\n", std::string(token.status().message()).c_str());
+      return 2;
+    }
+    options.cluster_token = *token;
+  }
+  if (absl::Status s = moe::CheckTlsFiles(options.tls, /*server=*/false); !s.ok()) {
+    std::fprintf(stderr, "moe-rank: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   options.connect_timeout = absl::Seconds(connect_timeout_s);
   options.reconnect = !exit_on_disconnect;
   options.debug_step_delay = absl::Milliseconds(debug_step_delay_ms);

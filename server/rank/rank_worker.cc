@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status.h"
 #include "server/backend_factory.h"
+#include "security/tokens.h"
 #include "server/grpc_status.h"
 
 #include <thread>
@@ -62,7 +63,13 @@ RankWorker::RankWorker(const RankOptions& options) : options_(options) {
       static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
   args.SetMaxSendMessageSize(
       static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
-  channel_ = grpc::CreateCustomChannel(options.gateway, grpc::InsecureChannelCredentials(), args);
+  AddTlsChannelArgs(options.tls, &args);
+  auto credentials = ChannelCredentials(options.tls);
+  if (!credentials.ok()) {
+    backend_status_ = credentials.status();
+    credentials = grpc::InsecureChannelCredentials();  // never used: Run() fails first
+  }
+  channel_ = grpc::CreateCustomChannel(options.gateway, *credentials, args);
   stub_ = moe::v1::internal::RankControl::NewStub(channel_);
 }
 
@@ -112,6 +119,7 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
   request.set_backend(options_.backend);
   request.set_device(backend_->name());
   grpc::ClientContext context;
+  AddBearerToken(&context, options_.cluster_token);
   context.set_wait_for_ready(true);  // the gateway may still be starting
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
   RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Register(&context, request, registration)),
@@ -141,6 +149,7 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
 
 absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse& registration) {
   auto context = std::make_unique<grpc::ClientContext>();
+  AddBearerToken(context.get(), options_.cluster_token);
   grpc::ClientContext* raw_context = context.get();
   std::unique_ptr<ExchangeClientStream> stream = stub_->Exchange(raw_context);
   moe::v1::internal::RankToGateway hello;
@@ -258,9 +267,12 @@ absl::Status RankWorker::Run() {
       s = ServeSession(registration);
     }
     if (stop_) return absl::OkStatus();
-    // Configuration errors will not fix themselves; connection problems may.
+    // Configuration errors will not fix themselves; connection problems may. ALREADY_EXISTS:
+    // the gateway still counts this rank id up, i.e. a previous process of this rank that died
+    // or hung and that liveness has not yet timed out; it will, and then this one takes over.
     const bool retryable = absl::IsUnavailable(s) || absl::IsCancelled(s) ||
-                           absl::IsDeadlineExceeded(s) || absl::IsFailedPrecondition(s);
+                           absl::IsDeadlineExceeded(s) || absl::IsFailedPrecondition(s) ||
+                           absl::IsAlreadyExists(s);
     if (!options_.reconnect || !retryable) return s;
     std::fprintf(stderr, "moe-rank %d: %s; registering again\n", rank_.load(),
                  s.ToString().c_str());

@@ -18,12 +18,15 @@
 #include "model/checkpoint.h"
 #include "model/moe_layer.h"
 #include "moe/v1/internal.grpc.pb.h"
+#include "security/credentials.h"
 #include "transport/grpc_transport.h"
 
 namespace moe {
 
 struct RankOptions {
-  std::string gateway;          // HOST:PORT of moe-gateway
+  std::string gateway;          // HOST:PORT of moe-gateway's control port (--control-port)
+  TlsFiles tls;                 // trust for the gateway; cert + key: this rank's identity (mTLS)
+  std::string cluster_token;    // the gateway's cluster token ("" = none)
   int requested_rank = -1;      // -1: the gateway picks
   std::string checkpoint;       // overrides the gateway's path (other mount point)
   std::string backend = "cpu";  // "cpu" or "cuda"

@@ -220,18 +220,31 @@ TEST_F(ClusterTest, StartsGatewayAndRanksReportsReadyAndStopsOnSigterm) {
                         "--serve-after-ms", "300"}));
   ASSERT_TRUE(WaitForStdout(ReadyLine(2))) << Stderr();
 
-  EXPECT_EQ(ReadLines(dir_ + "/gateway.argv"),
+  // No --cluster-token-file: moe-cluster made one for the run, private to this user.
+  const std::vector<std::string> gateway_argv = ReadLines(dir_ + "/gateway.argv");
+  ASSERT_EQ(gateway_argv.size(), 18u) << Stderr();
+  const std::string token_file = gateway_argv[15];
+  EXPECT_EQ(gateway_argv,
             (std::vector<std::string>{"--checkpoint", "/ckpt/k3-mini", "--port",
                                       std::to_string(port_), "--ranks", "2", "--metrics-port",
                                       std::to_string(metrics), "--host", "127.0.0.1",
-                                      "--drain-timeout-s", "30", "--serve-after-ms", "300"}));
+                                      "--drain-timeout-s", "30", "--control-port",
+                                      std::to_string(port_ + 1), "--cluster-token-file", token_file,
+                                      "--serve-after-ms", "300"}));
+  struct stat file_stat, dir_stat;
+  ASSERT_EQ(stat(token_file.c_str(), &file_stat), 0) << token_file;
+  ASSERT_EQ(stat(token_file.substr(0, token_file.rfind('/')).c_str(), &dir_stat), 0);
+  EXPECT_EQ(file_stat.st_mode & 0777, 0600u);
+  EXPECT_EQ(dir_stat.st_mode & 0777, 0700u);
+  EXPECT_EQ(ReadFile(token_file).size(), 64u) << "32 random bytes in hex";
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(WaitForFile(absl::StrCat(dir_, "/rank-", i, ".pid")));
-    EXPECT_EQ(
-        ReadLines(absl::StrCat(dir_, "/rank-", i, ".argv")),
-        (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_), "--rank",
-                                  std::to_string(i), "--threads", "3", "--metrics-port",
-                                  std::to_string(metrics + 1 + i), "--metrics-host", "127.0.0.1"}));
+    EXPECT_EQ(ReadLines(absl::StrCat(dir_, "/rank-", i, ".argv")),
+              (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_ + 1),
+                                        "--rank", std::to_string(i), "--cluster-token-file",
+                                        token_file, "--threads", "3", "--metrics-port",
+                                        std::to_string(metrics + 1 + i), "--metrics-host",
+                                        "127.0.0.1"}));
   }
   const pid_t gateway = ReadPid(dir_ + "/gateway.pid");
   const pid_t rank0 = ReadPid(dir_ + "/rank-0.pid");
@@ -243,6 +256,7 @@ TEST_F(ClusterTest, StartsGatewayAndRanksReportsReadyAndStopsOnSigterm) {
   EXPECT_TRUE(exit.success()) << exit.Describe() << "\n" << Stderr();
   EXPECT_TRUE(Gone(gateway) && Gone(rank0) && Gone(rank1));
   EXPECT_EQ(Stdout(), std::vector<std::string>{ReadyLine(2)});
+  EXPECT_NE(stat(token_file.c_str(), &file_stat), 0) << "the run's token is removed at exit";
 
   // Child output reached stderr whole and prefixed.
   const std::string err = Stderr();
@@ -255,12 +269,13 @@ TEST_F(ClusterTest, StartsGatewayAndRanksReportsReadyAndStopsOnSigterm) {
 }
 
 TEST_F(ClusterTest, NoMetricsFlagsWithoutMetricsPort) {
-  StartCluster(Args(1, {"--", "--serve-after-ms", "0"}));
+  StartCluster(Args(1, {"--control-port", std::to_string(port_ + 7), "--cluster-token-file",
+                        dir_ + "/token", "--", "--serve-after-ms", "0"}));
   ASSERT_TRUE(WaitForStdout(ReadyLine(1))) << Stderr();
   ASSERT_TRUE(WaitForFile(dir_ + "/rank-0.pid"));
-  EXPECT_EQ(
-      ReadLines(dir_ + "/rank-0.argv"),
-      (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_), "--rank", "0"}));
+  EXPECT_EQ(ReadLines(dir_ + "/rank-0.argv"),
+            (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_ + 7), "--rank",
+                                      "0", "--cluster-token-file", dir_ + "/token"}));
   EXPECT_EQ(ReadFile(dir_ + "/gateway.argv").find("metrics"), std::string::npos);
   ASSERT_EQ(kill(pid_, SIGINT), 0);
   EXPECT_TRUE(WaitExit().success()) << Stderr();

@@ -70,6 +70,13 @@ int main(int argc, char** argv) {
   int drain_ms = 0;
   flags.Double("drain-timeout-s", &drain_timeout_s, "ignored (moe-cluster passes it)");
   flags.Int("drain-ms", &drain_ms, "after the stop signal, 'drain' this long before exiting");
+  int control_port = 0;
+  std::string token_file, tls_cert, tls_key, tls_ca;
+  flags.Int("control-port", &control_port, "ignored (moe-cluster passes it)");
+  flags.String("cluster-token-file", &token_file, "ignored (moe-cluster passes it)");
+  flags.String("tls-cert", &tls_cert, "ignored");
+  flags.String("tls-key", &tls_key, "ignored");
+  flags.String("tls-ca", &tls_ca, "ignored");
   flags.Require("checkpoint");
   flags.Require("port");
   flags.Require("ranks");

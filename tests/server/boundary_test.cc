@@ -116,7 +116,8 @@ TEST(BoundaryTest, ASecondGatewayOnABusyPortRefusesToStart) {
   const std::string log = absl::StrCat(::testing::TempDir(), "/second_gateway.log");
   testing::ChildProcess second(
       {testing::BinaryPath("moe-gateway"), "--checkpoint", testing::TestCheckpoint("k3-mini"),
-       "--ranks", "1", "--host", "127.0.0.1", "--port", std::to_string(cluster.port())},
+       "--ranks", "1", "--host", "127.0.0.1", "--port", std::to_string(cluster.port()),
+       "--control-port", "0", "--insecure-cluster"},
       log);
   const int status = second.Wait(absl::Seconds(20));
   ASSERT_NE(status, -1) << "the second gateway is still running: it shares the port";

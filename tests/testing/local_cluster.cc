@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -32,6 +33,9 @@ LocalCluster::~LocalCluster() {
 }
 
 std::string LocalCluster::target() const { return absl::StrCat("127.0.0.1:", port_); }
+std::string LocalCluster::control_target() const {
+  return absl::StrCat("127.0.0.1:", control_port_);
+}
 
 absl::Status LocalCluster::Start(absl::Duration timeout) {
   std::vector<std::string> argv = {BinaryPath("moe-gateway"),
@@ -47,6 +51,15 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
                                    absl::StrCat(options_.threads)};
   if (options_.metrics)
     argv.insert(argv.end(), {"--metrics-port", "0", "--metrics-host", "127.0.0.1"});
+  std::vector<std::string> auth;
+  if (options_.insecure_cluster) argv.push_back("--insecure-cluster");
+  if (options_.cluster_token) {
+    token_file_ = log_dir_ + "/cluster-token";
+    std::ofstream(token_file_) << absl::StrCat("test-token-", getpid(), "-", g_cluster_counter++)
+                               << "\n";
+    auth = {"--cluster-token-file", token_file_};
+    argv.insert(argv.end(), auth.begin(), auth.end());
+  }
   argv.insert(argv.end(), options_.gateway_args.begin(), options_.gateway_args.end());
   gateway_ = std::make_unique<ChildProcess>(argv, log_dir_ + "/gateway.log");
   const std::string line = gateway_->WaitForLog("waiting for", timeout);
@@ -57,6 +70,14 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
   if (colon == std::string::npos ||
       !absl::SimpleAtoi(line.substr(colon + 10, line.find(',', colon) - colon - 10), &port_))
     return absl::InternalError(absl::StrCat("cannot parse the gateway port from: ", line));
+  // "moe-gateway: control plane on 127.0.0.1:PORT (...)", logged before the line above.
+  const std::string control = gateway_->WaitForLog("control plane on", timeout);
+  const size_t control_at = control.find("127.0.0.1:");
+  if (control_at == std::string::npos ||
+      !absl::SimpleAtoi(
+          control.substr(control_at + 10, control.find(' ', control_at) - control_at - 10),
+          &control_port_))
+    return absl::InternalError(absl::StrCat("cannot parse the control port from: ", control));
   auto metrics_port = [&](const ChildProcess& p, int* port) -> absl::Status {
     const std::string m = p.WaitForLog("metrics on", timeout);
     const size_t at = m.rfind(':');
@@ -72,7 +93,7 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
   for (int r = 0; r < options_.ranks; ++r) {
     std::vector<std::string> rank_argv = {BinaryPath("moe-rank"),
                                           "--gateway",
-                                          target(),
+                                          control_target(),
                                           "--rank",
                                           absl::StrCat(r),
                                           "--threads",
@@ -80,6 +101,7 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
                                           "--exit-on-disconnect"};
     if (options_.metrics)
       rank_argv.insert(rank_argv.end(), {"--metrics-port", "0", "--metrics-host", "127.0.0.1"});
+    rank_argv.insert(rank_argv.end(), auth.begin(), auth.end());
     rank_argv.insert(rank_argv.end(), options_.rank_args.begin(), options_.rank_args.end());
     ranks_.push_back(
         std::make_unique<ChildProcess>(rank_argv, absl::StrCat(log_dir_, "/rank", r, ".log")));
@@ -92,7 +114,10 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
-  channel_ = grpc::CreateCustomChannel(target(), grpc::InsecureChannelCredentials(), args);
+  AddTlsChannelArgs(options_.client_tls, &args);
+  auto credentials = ChannelCredentials(options_.client_tls);
+  if (!credentials.ok()) return credentials.status();
+  channel_ = grpc::CreateCustomChannel(target(), *credentials, args);
   stub_ = moe::v1::MoeService::NewStub(channel_);
   const absl::Time end = absl::Now() + timeout;
   while (!Serving()) {

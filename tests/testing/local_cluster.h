@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "moe/v1/moe.grpc.pb.h"
+#include "security/credentials.h"
 #include "tests/testing/child_process.h"
 
 namespace moe::testing {
@@ -18,6 +19,11 @@ struct ClusterOptions {
   std::vector<std::string> rank_args;     // extra flags for every rank
   int threads = 1;                        // per process (tests share 2 cores)
   bool metrics = false;                   // serve /metrics on free ports (see metrics_port())
+  // Ranks authenticate with a cluster token written for the run (token_file()), unless
+  // insecure_cluster (then --insecure-cluster) or the test passes its own credentials.
+  bool insecure_cluster = false;
+  bool cluster_token = true;
+  TlsFiles client_tls;  // the test's own channel (stub(), Serving()) to the public port
 };
 
 class LocalCluster {
@@ -28,7 +34,11 @@ class LocalCluster {
   // Starts everything and waits until the gateway reports SERVING.
   absl::Status Start(absl::Duration timeout = absl::Seconds(60));
   int port() const { return port_; }
+  int control_port() const { return control_port_; }
   std::string target() const;
+  std::string control_target() const;
+  const std::string& token_file() const { return token_file_; }
+  const std::string& dir() const { return log_dir_; }  // removed with the cluster
   moe::v1::MoeService::Stub& stub() { return *stub_; }
   ChildProcess& gateway() { return *gateway_; }
   ChildProcess& rank(int i) { return *ranks_[i]; }
@@ -45,6 +55,8 @@ class LocalCluster {
   std::unique_ptr<ChildProcess> gateway_;
   std::vector<std::unique_ptr<ChildProcess>> ranks_;
   int port_ = 0;
+  int control_port_ = 0;
+  std::string token_file_;
   int gateway_metrics_port_ = 0;
   std::vector<int> rank_metrics_ports_;
   std::shared_ptr<grpc::Channel> channel_;
