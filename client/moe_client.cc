@@ -9,6 +9,7 @@
 #include "core/status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/tensor_codec.h"
+#include "security/tokens.h"
 
 namespace moe {
 
@@ -96,8 +97,10 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Connect(const std::string&
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(backoff_ms));
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
               static_cast<int>(std::min<int64_t>(backoff_ms, 1000)));
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  AddTlsChannelArgs(options.tls, &args);
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   ChannelCredentials(options.tls));
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target, credentials, args);
   if (channel == nullptr)
     return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to '", target, "'"));
   return std::unique_ptr<MoeClient>(new MoeClient(target, options, std::move(channel)));
@@ -107,6 +110,7 @@ void MoeClient::Prepare(grpc::ClientContext* context, absl::Duration timeout) co
   if (timeout != absl::InfiniteDuration())
     context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   context->set_wait_for_ready(options_.wait_for_ready);
+  AddBearerToken(context, options_.token);
 }
 
 absl::StatusOr<moe::v1::ForwardResponse> MoeClient::ForwardRaw(
@@ -181,14 +185,16 @@ absl::Status MoeClient::WaitUntilServing(absl::Duration timeout, const std::stri
 absl::StatusOr<std::unique_ptr<ForwardStreamSession>> MoeClient::OpenStream(
     absl::Duration timeout) {
   return std::unique_ptr<ForwardStreamSession>(
-      new ForwardStreamSession(channel_, timeout, options_.wait_for_ready));
+      new ForwardStreamSession(channel_, timeout, options_.wait_for_ready, options_.token));
 }
 
 // ---- ForwardStreamSession ---------------------------------------------------------------------
 
 ForwardStreamSession::ForwardStreamSession(std::shared_ptr<grpc::Channel> channel,
-                                           absl::Duration timeout, bool wait_for_ready)
+                                           absl::Duration timeout, bool wait_for_ready,
+                                           const std::string& token)
     : stub_(moe::v1::MoeService::NewStub(channel)) {
+  AddBearerToken(&context_, token);
   if (timeout != absl::InfiniteDuration())
     context_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   context_.set_wait_for_ready(wait_for_ready);

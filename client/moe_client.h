@@ -24,6 +24,7 @@
 #include "grpcpp/grpcpp.h"
 #include "moe/v1/moe.grpc.pb.h"
 #include "moe/v1/moe.pb.h"
+#include "security/credentials.h"
 
 namespace moe {
 
@@ -36,6 +37,8 @@ struct ClientOptions {
   // Cap on gRPC's reconnect backoff (its default grows to 120 s), so a restarted gateway is
   // found again quickly.
   absl::Duration max_reconnect_backoff = absl::Seconds(2);
+  TlsFiles tls;       // TLS to the gateway (its CA; a client certificate under mTLS)
+  std::string token;  // sent as `authorization: Bearer <token>` (the gateway's API/admin token)
 };
 
 struct ForwardOptions {
@@ -166,7 +169,7 @@ class ForwardStreamSession {
  private:
   friend class MoeClient;
   ForwardStreamSession(std::shared_ptr<grpc::Channel> channel, absl::Duration timeout,
-                       bool wait_for_ready);
+                       bool wait_for_ready, const std::string& token);
   void ReadLoop();
   // Waits (bounded) for the reader to see the end of the stream; returns its status.
   absl::Status EndStatus();

@@ -24,6 +24,8 @@
 #include "absl/strings/str_join.h"
 #include "client/moe_client.h"
 #include "core/flags.h"
+#include "security/credentials.h"
+#include "security/tokens.h"
 #include "core/npy.h"
 #include "core/status.h"
 #include "google/protobuf/util/json_util.h"
@@ -56,6 +58,44 @@ int UsageError(const std::string& message) {
 }
 
 // 0 or less: no deadline.
+// How a command reaches the gateway: TLS files and a token file, the same flags everywhere.
+struct Connection {
+  ClientOptions options;
+  std::string token_file;
+
+  void AddFlags(Flags& flags) {
+    AddTlsFlags(flags, &options.tls, /*server=*/false);
+    flags.String("token-file", &token_file,
+                 "send its token as `authorization: Bearer` (the gateway's --api-token-file, or "
+                 "--admin-token-file for diagnostics)");
+  }
+  // The options, with the token read; errors are usage errors (exit 2).
+  absl::StatusOr<ClientOptions> Resolve() const {
+    ClientOptions resolved = options;
+    if (absl::Status s = CheckTlsFiles(options.tls, /*server=*/false); !s.ok()) return s;
+    if (!token_file.empty()) {
+      absl::StatusOr<std::string> token = ReadTokenFile(token_file);
+      if (!token.ok()) return token.status();
+      resolved.token = *token;
+    }
+    return resolved;
+  }
+};
+
+// Connects as `connection` says; a bad flag value returns the usage error's exit code.
+absl::StatusOr<std::unique_ptr<MoeClient>> ConnectOrExitCode(const std::string& target,
+                                                             const Connection& connection,
+                                                             int* exit_code) {
+  absl::StatusOr<ClientOptions> options = connection.Resolve();
+  if (!options.ok()) {
+    *exit_code = UsageError(std::string(options.status().message()));
+    return options.status();
+  }
+  absl::StatusOr<std::unique_ptr<MoeClient>> client = MoeClient::Connect(target, *options);
+  if (!client.ok()) *exit_code = Fail(client.status());
+  return client;
+}
+
 absl::Duration TimeoutFromMs(int64_t ms) {
   return ms > 0 ? absl::Milliseconds(ms) : absl::InfiniteDuration();
 }
@@ -104,6 +144,8 @@ int RunForward(int argc, char** argv) {
       "Input .npy: float32 or float16, [T, H] or [B, T, H]. Output: float32 of the same shape.\n"
       "Routing outputs are [tokens, top_k] (int32 ids, float32 weights).");
   flags.String("target", &target, "server address HOST:PORT");
+  Connection connection;
+  connection.AddFlags(flags);
   flags.Int("layer", &layer, "MoE layer index (the checkpoint's numbering)");
   flags.String("input", &input, "input .npy");
   flags.String("output", &output, "output .npy (float32)");
@@ -129,8 +171,10 @@ int RunForward(int argc, char** argv) {
 
   absl::StatusOr<NpyArray> x = ReadInput(input);
   if (!x.ok()) return Fail(x.status());
-  absl::StatusOr<std::unique_ptr<MoeClient>> client = MoeClient::Connect(target, ClientOptions{});
-  if (!client.ok()) return Fail(client.status());
+  int exit_code = 0;
+  absl::StatusOr<std::unique_ptr<MoeClient>> client =
+      ConnectOrExitCode(target, connection, &exit_code);
+  if (!client.ok()) return exit_code;
 
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<ForwardResult> y = (*client)->Forward(layer, x->shape, x->data.data(), options);
@@ -179,6 +223,8 @@ int RunHealth(int argc, char** argv) {
       "usage: moe-client health --target HOST:PORT [--wait-s N]\n\n"
       "Prints SERVING or NOT_SERVING (or the error on stderr); exit 0 only when serving.");
   flags.String("target", &target, "server address HOST:PORT");
+  Connection connection;
+  connection.AddFlags(flags);
   flags.String("service", &service, "service name to check (empty: the server as a whole)");
   flags.Double("wait-s", &wait_s, "wait up to this long for SERVING (0: check once)");
   flags.Int("timeout-ms", &timeout_ms, "deadline of a single check");
@@ -186,8 +232,10 @@ int RunHealth(int argc, char** argv) {
   flags.ParseOrExit(argc, argv, 2);
   if (wait_s < 0) return UsageError("--wait-s must be >= 0");
 
-  absl::StatusOr<std::unique_ptr<MoeClient>> client = MoeClient::Connect(target, ClientOptions{});
-  if (!client.ok()) return Fail(client.status());
+  int exit_code = 0;
+  absl::StatusOr<std::unique_ptr<MoeClient>> client =
+      ConnectOrExitCode(target, connection, &exit_code);
+  if (!client.ok()) return exit_code;
   if (wait_s > 0) {
     absl::Status s = (*client)->WaitUntilServing(absl::Seconds(wait_s), service);
     if (!s.ok()) return Fail(s);
@@ -242,13 +290,17 @@ int RunInfo(int argc, char** argv) {
   int64_t timeout_ms = 10000;
   Flags flags("usage: moe-client info --target HOST:PORT [--json]");
   flags.String("target", &target, "server address HOST:PORT");
+  Connection connection;
+  connection.AddFlags(flags);
   flags.Bool("json", &json, "print moe.v1.ModelInfo as JSON (proto field names)");
   flags.Int("timeout-ms", &timeout_ms, "deadline of the call (0: none)");
   flags.Require("target");
   flags.ParseOrExit(argc, argv, 2);
 
-  absl::StatusOr<std::unique_ptr<MoeClient>> client = MoeClient::Connect(target, ClientOptions{});
-  if (!client.ok()) return Fail(client.status());
+  int exit_code = 0;
+  absl::StatusOr<std::unique_ptr<MoeClient>> client =
+      ConnectOrExitCode(target, connection, &exit_code);
+  if (!client.ok()) return exit_code;
   absl::StatusOr<moe::v1::ModelInfo> info = (*client)->GetModelInfo(TimeoutFromMs(timeout_ms));
   if (!info.ok()) return Fail(info.status());
   if (!json) {
@@ -332,6 +384,8 @@ int RunLoad(int argc, char** argv) {
       "--layer is given. --stream sends every caller's requests on one shared ForwardStream.\n"
       "Warm-up requests are not measured. Exit 1 when no measured request succeeded.");
   flags.String("target", &cfg.target, "server address HOST:PORT");
+  Connection connection;
+  connection.AddFlags(flags);
   flags.Int("layer", &cfg.layer, "only this layer; without it, every served layer round-robin");
   flags.Int("concurrency", &cfg.concurrency, "concurrent callers");
   flags.Int("tokens", &cfg.tokens, "tokens per request (random inputs)");
@@ -376,9 +430,10 @@ int RunLoad(int argc, char** argv) {
   options.return_routing = cfg.routing;
   const absl::Duration timeout = TimeoutFromMs(cfg.timeout_ms);
 
+  int exit_code = 0;
   absl::StatusOr<std::unique_ptr<MoeClient>> connected =
-      MoeClient::Connect(cfg.target, ClientOptions{});
-  if (!connected.ok()) return Fail(connected.status());
+      ConnectOrExitCode(cfg.target, connection, &exit_code);
+  if (!connected.ok()) return exit_code;
   MoeClient& client = **connected;
 
   // The batch: from the file, or a shape for the callers' random inputs.

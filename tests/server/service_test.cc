@@ -20,6 +20,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
 #include "proto/tensor_codec.h"
+#include "tests/server/service_testing.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/test_checkpoints.h"
 
@@ -29,79 +30,6 @@ namespace {
 using testing::ClusterOptions;
 using testing::LocalCluster;
 using testing::TestCheckpoint;
-
-std::vector<float> RandomInput(int64_t tokens, int64_t hidden, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(tokens * hidden);
-  for (float& v : x) v = normal(rng);
-  return x;
-}
-
-struct CallResult {
-  grpc::Status status;
-  std::vector<float> output;
-  std::vector<int32_t> expert_ids;
-};
-
-CallResult Call(moe::v1::MoeService::Stub& stub, int layer, const std::vector<float>& x,
-                std::vector<int64_t> shape, absl::Duration timeout = absl::Seconds(60),
-                moe::v1::DType dtype = moe::v1::FP32, grpc::ClientContext* context_in = nullptr) {
-  moe::v1::ForwardRequest request;
-  request.set_layer(layer);
-  request.set_return_routing(true);
-  request.set_output_dtype(moe::v1::FP32);
-  EXPECT_TRUE(EncodeTensor(x.data(), shape, dtype, request.mutable_hidden_states()).ok());
-  grpc::ClientContext local;
-  grpc::ClientContext* context = context_in ? context_in : &local;
-  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  moe::v1::ForwardResponse response;
-  CallResult out;
-  out.status = stub.Forward(context, request, &response);
-  if (out.status.ok()) {
-    auto decoded = DecodeTensor(response.output());
-    EXPECT_TRUE(decoded.ok());
-    EXPECT_EQ(decoded->shape, shape);
-    out.output = decoded->values;
-    out.expert_ids.assign(response.routing().expert_ids().begin(),
-                          response.routing().expert_ids().end());
-  }
-  return out;
-}
-
-// The in-process reference for a checkpoint layer.
-class InProcess {
- public:
-  InProcess(const std::string& dir, int layer) : backend_(CpuBackendOptions{1, ""}) {
-    checkpoint_ = std::move(*Checkpoint::Open(dir));
-    layer_ = std::move(*LocalMoeLayer::Load(
-        *checkpoint_, layer,
-        ExpertPlacement::Contiguous(checkpoint_->config().routing.num_experts, 1), &backend_));
-  }
-  std::vector<float> Forward(const std::vector<float>& x, Routing* routing = nullptr) {
-    std::vector<float> y(x.size());
-    EXPECT_TRUE(layer_
-                    ->Forward(x.data(), x.size() / checkpoint_->config().hidden_size,
-                              Precision::kBF16, y.data(), routing)
-                    .ok());
-    return y;
-  }
-  const MoeConfig& config() const { return checkpoint_->config(); }
-
- private:
-  CpuBackend backend_;
-  std::unique_ptr<Checkpoint> checkpoint_;
-  std::unique_ptr<LocalMoeLayer> layer_;
-};
-
-double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
 
 // A Forward call on a thread of its own, timed: for calls that wait on a failing rank.
 class BackgroundCall {
