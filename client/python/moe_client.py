@@ -163,12 +163,36 @@ def _encode_health_request(service):
 class MoeClient:
     """One channel to a moe.v1 server; safe to share between threads."""
 
-    def __init__(self, target, max_message_bytes=_MAX_MESSAGE_BYTES):
+    def __init__(self, target, max_message_bytes=_MAX_MESSAGE_BYTES, tls=False, tls_ca=None,
+                 tls_cert=None, tls_key=None, tls_server_name=None, token=None):
+        """TLS when `tls` or any tls_* file is given: tls_ca (PEM path) is the trust for the
+        gateway's certificate (else the system's roots); tls_cert + tls_key, a client certificate
+        for a gateway that requires mTLS. `token` goes with every call as
+        `authorization: Bearer` (the gateway's --api-token-file or --admin-token-file)."""
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=[
+        options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-        ])
+        ]
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if tls or tls_ca or tls_cert:
+            def read(path):
+                if path is None:
+                    return None
+                with open(path, "rb") as f:
+                    return f.read()
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=read(tls_ca), private_key=read(tls_key),
+                certificate_chain=read(tls_cert))
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        # Per call, not as call credentials: gRPC sends those only over TLS, and a token on a
+        # plaintext channel to a trusted network is a deployment's choice.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._stub = moe_pb2_grpc.MoeServiceStub(self._channel)
         # No serializers: raw bytes in and out.
         self._health_check = self._channel.unary_unary("/grpc.health.v1.Health/Check")
@@ -182,7 +206,7 @@ class MoeClient:
             output_dtype=_wire_dtype(output_dtype) if output_dtype else moe_pb2.DTYPE_UNSPECIFIED,
             request_id=request_id)
         try:
-            response = self._stub.Forward(request, timeout=timeout)
+            response = self._stub.Forward(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise MoeError(e.code(), e.details()) from None
         y = decode_tensor(response.output)
@@ -198,7 +222,8 @@ class MoeClient:
     def info(self, timeout=10.0):
         """moe.v1.ModelInfo."""
         try:
-            return self._stub.GetModelInfo(moe_pb2.GetModelInfoRequest(), timeout=timeout)
+            return self._stub.GetModelInfo(moe_pb2.GetModelInfoRequest(), timeout=timeout,
+                                           metadata=self._metadata)
         except grpc.RpcError as e:
             raise MoeError(e.code(), e.details()) from None
 
@@ -234,8 +259,19 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds")
     parser.add_argument("--health", action="store_true", help="print the health status")
     parser.add_argument("--info", action="store_true", help="print the model info")
+    parser.add_argument("--tls", action="store_true", help="TLS with the system's roots")
+    parser.add_argument("--tls-ca", help="PEM CA bundle the gateway's certificate chains to")
+    parser.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", help="name the gateway's certificate must carry")
+    parser.add_argument("--token-file", help="send its token as `authorization: Bearer`")
     args = parser.parse_args(argv)
-    with MoeClient(args.target) as client:
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    with MoeClient(args.target, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                   tls_key=args.tls_key, tls_server_name=args.tls_server_name, token=token) as client:
         try:
             if args.health:
                 status = client.health()

@@ -18,6 +18,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 import moe_client  # noqa: E402  pylint: disable=wrong-import-position
 
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 BIN = os.environ.get("MOE_BIN_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build", "bin"))
 
 
@@ -28,9 +29,18 @@ def free_port():
 
 
 class PythonClientServiceTest(unittest.TestCase):
+    # Extra moe-cluster flags and client arguments (the TLS subclass below).
+    cluster_flags = []
+    gateway_flags = []
+
+    @classmethod
+    def client_kwargs(cls):
+        return {}
+
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
+        cls.prepare()
         cls.ckpt = os.path.join(cls.tmp.name, "k3-mini")
         subprocess.run([os.path.join(BIN, "moe-ckpt"), "--preset", "k3-mini", "--out", cls.ckpt, "--quiet",
                         "--seed", "3"], check=True, stdout=subprocess.DEVNULL)
@@ -38,13 +48,18 @@ class PythonClientServiceTest(unittest.TestCase):
         cls.log = open(os.path.join(cls.tmp.name, "cluster.log"), "w")
         cls.cluster = subprocess.Popen(
             [os.path.join(BIN, "moe-cluster"), "--checkpoint", cls.ckpt, "--ranks", "2", "--port", str(cls.port),
-             "--threads-per-rank", "1", "--", "--threads", "1"],
+             "--control-port", str(free_port()), "--threads-per-rank", "1", *cls.cluster_flags, "--",
+             "--threads", "1", *cls.gateway_flags],
             stdout=subprocess.PIPE, stderr=cls.log, text=True)
         line = cls.cluster.stdout.readline()  # blocks until the ready line (or exit)
         if "ready" not in line:
             cls.cluster.kill()
             raise RuntimeError(f"moe-cluster did not get ready: {line!r}\n" + open(cls.log.name).read())
-        cls.client = moe_client.MoeClient(f"127.0.0.1:{cls.port}")
+        cls.client = moe_client.MoeClient(f"127.0.0.1:{cls.port}", **cls.client_kwargs())
+
+    @classmethod
+    def prepare(cls):
+        pass
 
     @classmethod
     def tearDownClass(cls):
@@ -91,6 +106,46 @@ class PythonClientServiceTest(unittest.TestCase):
         with self.assertRaises(moe_client.MoeError) as ctx:
             self.client.forward(1, np.ones((1, 64), np.float32))
         self.assertEqual(ctx.exception.code.name, "INVALID_ARGUMENT")
+
+
+class PythonClientOverMutualTlsTest(PythonClientServiceTest):
+    """The same tests through mTLS (certificates from scripts/make-certs.sh) and an API token;
+    plus: without the client certificate or the token, nothing is answered."""
+
+    @classmethod
+    def prepare(cls):
+        cls.certs = os.path.join(cls.tmp.name, "certs")
+        subprocess.run(["bash", os.path.join(SOURCE_DIR, "scripts", "make-certs.sh"), cls.certs], check=True,
+                       stdout=subprocess.DEVNULL)
+        with open(os.path.join(cls.tmp.name, "api-token"), "w") as f:
+            f.write("python-test-token\n")
+        cert = lambda name: os.path.join(cls.certs, name)  # noqa: E731
+        cls.cluster_flags = ["--tls-cert", cert("gateway.pem"), "--tls-key", cert("gateway.key"),
+                             "--tls-ca", cert("ca.pem")]
+        cls.gateway_flags = ["--api-token-file", os.path.join(cls.tmp.name, "api-token")]
+
+    @classmethod
+    def client_kwargs(cls, **overrides):
+        kwargs = dict(tls_ca=os.path.join(cls.certs, "ca.pem"), tls_cert=os.path.join(cls.certs, "client.pem"),
+                      tls_key=os.path.join(cls.certs, "client.key"), token="python-test-token")
+        kwargs.update(overrides)
+        return kwargs
+
+    def test_refused_without_certificate_or_token(self):
+        target = f"127.0.0.1:{self.port}"
+        with moe_client.MoeClient(target, **self.client_kwargs(token=None)) as client:
+            self.assertEqual(client.health(), "SERVING")  # health needs no token
+            with self.assertRaises(moe_client.MoeError) as ctx:
+                client.forward(1, np.ones((1, 640), np.float32))
+            self.assertEqual(ctx.exception.code.name, "UNAUTHENTICATED")
+        with moe_client.MoeClient(target, **self.client_kwargs(tls_cert=None, tls_key=None)) as client:
+            with self.assertRaises(moe_client.MoeError) as ctx:
+                client.health(timeout=3)
+            self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")  # the handshake fails
+        with moe_client.MoeClient(target) as client:  # plaintext
+            with self.assertRaises(moe_client.MoeError) as ctx:
+                client.health(timeout=3)
+            self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")
 
 
 if __name__ == "__main__":
