@@ -5,9 +5,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -55,8 +58,15 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const std::shared_ptr<prometheus::Registry>& registry, const std::string& address,
     int threads) {
   std::unique_ptr<prometheus::Exposer> exposer;
+  // civetweb gives each connection a worker thread until its request is read; with its
+  // default 30 s request timeout a few half-open connections (or a slow scanner) would hold
+  // every worker and stall scrapes and liveness probes. A scrape's request arrives at once.
+  const std::vector<std::string> options = {
+      "listening_ports",    address,
+      "num_threads",        std::to_string(std::max(threads, kMinThreads)),
+      "request_timeout_ms", std::to_string(absl::ToInt64Milliseconds(kRequestTimeout))};
   try {
-    exposer = std::make_unique<prometheus::Exposer>(address, threads);
+    exposer = std::make_unique<prometheus::Exposer>(options);
   } catch (const std::exception& e) {  // civetweb reports bind failures by throwing
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));

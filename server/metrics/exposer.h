@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 
@@ -26,6 +27,12 @@ class MetricsServer {
   MetricsServer& operator=(const MetricsServer&) = delete;
 
   int port() const { return port_; }
+
+  // Workers at least, and how long a connection may take to send its request. civetweb runs a
+  // thread per connection: fewer idle connections than workers cost nothing, N of them delay a
+  // scrape by at most ceil(N / workers) request timeouts.
+  static constexpr int kMinThreads = 8;
+  static constexpr absl::Duration kRequestTimeout = absl::Seconds(2);
 
  private:
   MetricsServer(std::unique_ptr<prometheus::Exposer> exposer, std::string wake_host, int port);
