@@ -1,5 +1,8 @@
 #include "engine/step_engine.h"
 
+#include <cmath>
+#include <cstdio>
+
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 
@@ -8,6 +11,14 @@ namespace {
 
 // Workspace slots of one layer's step; rank row buffers follow kRankRows.
 enum Slot { kInput, kExpertInput, kShared, kCombined, kOutput, kRankRows };
+
+// Index of the first non-finite value, or -1.
+template <typename T>
+int64_t FirstNonFinite(const T* data, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(data[i])) return i;
+  return -1;
+}
 
 }  // namespace
 
@@ -132,6 +143,7 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   stats.shared = absl::Now() - t_shared_start;
   if (status.ok()) status = backend_->Zero(combined);
   absl::Time t_collected = absl::Now();
+  int bad_rank = -1;  // the first rank whose partial sums were not finite (host backends)
   if (status.ok()) {
     status = transport_->Collect(
         dispatch, deadline,
@@ -140,6 +152,9 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
           stats.rank_active_experts[rank] = rank_stats.active_experts;
           stats.rank_bytes_sent[rank] = rank_stats.bytes_sent;
           stats.rank_bytes_received[rank] = rank_stats.bytes_received;
+          if (bad_rank < 0 && backend_->space() == MemorySpace::kHost)
+            for (int64_t row = 0; row < partial.rows && bad_rank < 0; ++row)
+              if (FirstNonFinite(partial.Row(row), partial.cols) >= 0) bad_rank = rank;
           return backend_->ScatterAddRows(partial, plan.ranks[rank].token_rows, combined);
         });
     t_collected = absl::Now();
@@ -155,6 +170,23 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   ASSIGN_OR_RETURN(MatrixView output, ws.Matrix(kOutput, tokens, H));
   RETURN_IF_ERROR(state.math->Finish(combined, shared, precision, output));
   RETURN_IF_ERROR(backend_->CopyToHost(out, output.data, tokens * H * sizeof(float)));
+  // Inputs are finite (validated), so a NaN or Inf here is a fault (bad weights, a faulty or
+  // hostile rank, a kernel bug): never answered as OK. One pass over the output, beside a step.
+  if (const int64_t at = FirstNonFinite(out, tokens * H); at >= 0) {
+    const std::string culprit =
+        bad_rank >= 0 ? absl::StrCat("rank ", bad_rank, " returned non-finite partial sums")
+                      : "no rank's partial sums were non-finite: the gateway's own part "
+                        "(router, shared experts, projections) or a device rank";
+    const std::string message =
+        absl::StrCat("layer ", layer, " step ", stats.step_id, ": non-finite output (token ",
+                     at / H, ", column ", at % H, "); ", culprit);
+    std::fprintf(stderr, "moe: %s\n", message.c_str());
+    std::fflush(stderr);
+    stats.ok = false;
+    stats.total = absl::Now() - t0;
+    if (observer_ != nullptr) observer_->OnStep(stats);
+    return absl::InternalError(message);
+  }
   const absl::Time t_done = absl::Now();
 
   stats.route = t_routed - t0;

@@ -53,6 +53,8 @@ int main(int argc, char** argv) {
   flags.String("metrics-host", &metrics_host, "metrics listen address");
   flags.Int("debug-step-delay-ms", &debug_step_delay_ms,
             "fault injection: delay every step (tests only)");
+  flags.Bool("debug-nan-partials", &options.debug_nan_partials,
+             "fault injection: answer steps with NaN partial sums (tests only)");
   flags.Require("gateway");
   flags.ParseOrExit(argc, argv);
   if (!cluster_token_file.empty()) {

@@ -2,14 +2,15 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status.h"
-#include "server/backend_factory.h"
 #include "security/tokens.h"
+#include "server/backend_factory.h"
 #include "server/grpc_status.h"
 
 #include <thread>
@@ -46,6 +47,13 @@ std::string ShardKey(const std::string& checkpoint, const moe::v1::internal::Reg
   for (const auto& shard : r.shards())
     absl::StrAppend(&key, "|", shard.layer(), ":", absl::StrJoin(shard.experts(), ","));
   return key;
+}
+
+// Overwrites the first partial sum with NaN, wherever the backend keeps it.
+absl::Status PoisonPartials(PartialView partial, Backend* backend) {
+  if (partial.rows == 0 || partial.cols == 0) return absl::OkStatus();
+  const double nan = std::nan("");
+  return backend->CopyToBackend(partial.data, &nan, sizeof nan);
 }
 
 }  // namespace
@@ -232,6 +240,7 @@ absl::Status RankWorker::ServeSteps(RankTransport& transport) {
       } else {
         absl::Status s =
             shard->second->Compute(step->rows, step->assignments, step->precision, *partial);
+        if (s.ok() && options_.debug_nan_partials) s = PoisonPartials(*partial, backend_.get());
         result = s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
                         : absl::StatusOr<ConstPartialView>(s);
       }

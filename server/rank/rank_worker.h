@@ -39,6 +39,8 @@ struct RankOptions {
   bool prefault = true;
   // Fault injection for tests: sleep this long before answering each step.
   absl::Duration debug_step_delay = absl::ZeroDuration();
+  // Fault injection for tests: answer every step with NaN partial sums (a faulty rank).
+  bool debug_nan_partials = false;
 };
 
 // What a rank reports about each step (metrics).

@@ -38,10 +38,10 @@ class SecurityTest : public ::testing::Test {
   static void SetUpTestSuite() {
     for (const char* name : {"certs", "other"}) {
       int code = 0;
-      const std::string out = testing::Shell(
-          absl::StrCat("bash ", MOE_SOURCE_DIR, "/scripts/make-certs.sh ", Dir(), "/", name,
-                       " 2>&1"),
-          &code);
+      const std::string out =
+          testing::Shell(absl::StrCat("bash ", MOE_SOURCE_DIR, "/scripts/make-certs.sh ", Dir(),
+                                      "/", name, " 2>&1"),
+                         &code);
       ASSERT_EQ(code, 0) << out;
     }
   }
@@ -149,10 +149,12 @@ TEST_F(SecurityTest, ATlsGatewayRefusesPlaintextAndServesTlsBitIdentical) {
 TEST_F(SecurityTest, MutualTlsAdmitsOnlyCaSignedClientsAndRanks) {
   ClusterOptions options = Options();
   options.cluster_token = false;  // the client certificate is the ranks' only credential
-  options.gateway_args = {"--tls-cert", Cert("certs", "gateway.pem"), "--tls-key",
-                          Cert("certs", "gateway.key"), "--tls-ca", Cert("certs", "ca.pem")};
-  options.rank_args = {"--tls-ca", Cert("certs", "ca.pem"), "--tls-cert",
-                       Cert("certs", "rank.pem"), "--tls-key", Cert("certs", "rank.key")};
+  options.gateway_args = {"--tls-cert", Cert("certs", "gateway.pem"),
+                          "--tls-key",  Cert("certs", "gateway.key"),
+                          "--tls-ca",   Cert("certs", "ca.pem")};
+  options.rank_args = {"--tls-ca",   Cert("certs", "ca.pem"),
+                       "--tls-cert", Cert("certs", "rank.pem"),
+                       "--tls-key",  Cert("certs", "rank.key")};
   options.client_tls = ClientTls("certs", "client");
   LocalCluster cluster(options);
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
@@ -222,8 +224,7 @@ TEST_F(SecurityTest, ARogueRankIsRefusedAndTheRealRankTakesItsSlotBack) {
       << rogue->Log();
   EXPECT_NE(rogue->Log().find("wrong cluster token"), std::string::npos) << rogue->Log();
   EXPECT_FALSE(cluster.Serving()) << "no rogue made the gateway ready";
-  EXPECT_NE(cluster.gateway().Log().find("refused control call Register from "),
-            std::string::npos)
+  EXPECT_NE(cluster.gateway().Log().find("refused control call Register from "), std::string::npos)
       << cluster.gateway().Log();
 
   // The real rank returns (with the token) and the results are bit-identical again.
@@ -292,8 +293,8 @@ TEST_F(SecurityTest, RotatedCertificatesServeNewConnectionsWhileRankStreamsStay)
     std::filesystem::copy_file(Cert("certs", file), live + "/" + file,
                                std::filesystem::copy_options::overwrite_existing);
   ClusterOptions options = Options();
-  options.gateway_args = {"--tls-cert", live + "/gateway.pem", "--tls-key", live + "/gateway.key",
-                          "--tls-reload-s", "1"};
+  options.gateway_args = {"--tls-cert",          live + "/gateway.pem", "--tls-key",
+                          live + "/gateway.key", "--tls-reload-s",      "1"};
   options.rank_args = {"--tls-ca", Cert("certs", "ca.pem")};
   options.client_tls = ClientTls("certs");
   LocalCluster cluster(options);
@@ -337,6 +338,33 @@ TEST_F(SecurityTest, RequestsBeyondTheConcurrencyLimitAreRefusedAtOnce) {
   EXPECT_NE(second.status.error_message().find("--max-concurrent-requests"), std::string::npos)
       << second.status.error_message();
   EXPECT_LT(waited, absl::Milliseconds(500)) << "refused at once, not queued";
+}
+
+TEST_F(SecurityTest, AStepWithNonFiniteOutputFailsNamingTheRankNeverOk) {
+  ClusterOptions options = Options(2);
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  // Rank 1 is replaced by a faulty one (it answers NaN partial sums).
+  cluster.rank(1).Signal(SIGKILL);
+  auto faulty =
+      StartRank(cluster, 1, {"--cluster-token-file", cluster.token_file(), "--debug-nan-partials"},
+                "faulty.log");
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline && cluster.gateway().Log().find("ready (2 ranks)") ==
+                                       cluster.gateway().Log().rfind("ready (2 ranks)"))
+    absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(cluster.Serving()) << cluster.Logs();
+  // 64 tokens choose experts on both ranks (top-2 of 64, split 32 / 32).
+  const std::vector<float> x = RandomInput(64, reference_->config().hidden_size, 5);
+  CallResult result = Call(cluster.stub(), layer_, x, {64, reference_->config().hidden_size});
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INTERNAL)
+      << result.status.error_message();
+  EXPECT_NE(result.status.error_message().find("rank 1 returned non-finite partial sums"),
+            std::string::npos)
+      << result.status.error_message();
+  const std::string log = cluster.gateway().Log();
+  EXPECT_NE(log.find(absl::StrCat("moe: layer ", layer_, " step ")), std::string::npos) << log;
+  EXPECT_NE(log.find("non-finite output"), std::string::npos) << log;
 }
 
 }  // namespace
