@@ -22,11 +22,11 @@ echo "== tests (excluding label: $labels_exclude)"
 ctest --test-dir build -LE "$labels_exclude" --output-on-failure -j"$jobs" --timeout 1500
 
 if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ]; then
-  echo "== ASan + UBSan build (unit tests)"
+  echo "== ASan + UBSan build (unit tests, and the trust-boundary tests' gateway and ranks)"
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_SANITIZE=ON >/dev/null
-  cmake --build build-asan -j"$jobs" --target moe-tests-unit
+  cmake --build build-asan -j"$jobs" --target moe-tests-unit moe-tests-asan-e2e
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    ctest --test-dir build-asan -L unit --output-on-failure -j"$jobs"
+    ctest --test-dir build-asan -L "unit|asan-e2e" --output-on-failure -j"$jobs"
 
   echo "== TSan build (concurrent parts)"
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_TSAN=ON >/dev/null
