@@ -159,26 +159,31 @@ absl::Status Gateway::Start() {
   moe_service_ = std::make_unique<MoeServiceImpl>(this);
   control_service_ = std::make_unique<RankControlServiceImpl>(this);
   diagnostics_service_ = std::make_unique<DiagnosticsServiceImpl>(this);
-  const int message_limit = static_cast<int>(std::min<int64_t>(MessageLimit(), INT32_MAX));
-  auto listen = [&](grpc::ServerBuilder& builder, const std::string& host, int port, int* bound) {
+  // Receive limits guard the gateway's memory; send limits only need to fit what it sends.
+  auto listen = [&](grpc::ServerBuilder& builder, const std::string& host, int port, int* bound,
+                    int64_t receive_limit, int64_t send_limit) {
     // A second gateway on a port in use must fail, not share (and steal half of) its callers.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort(absl::StrCat(host, ":", port), credentials, bound);
-    builder.SetMaxReceiveMessageSize(message_limit);
-    builder.SetMaxSendMessageSize(message_limit);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(receive_limit, INT32_MAX)));
+    builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(send_limit, INT32_MAX)));
   };
   // The control port first: ranks may connect as soon as the public port answers health.
   grpc::ServerBuilder control;
   const std::string control_host =
       options_.control_host.empty() ? options_.host : options_.control_host;
-  listen(control, control_host, options_.control_port, &control_port_);
+  const MoeConfig& c = engine_->config();
+  listen(control, control_host, options_.control_port, &control_port_, ControlMessageLimit(),
+         options_.batcher.max_tokens_per_step * c.expert_input_size() * int64_t{4} +
+             (int64_t{1} << 20));
   control.RegisterService(control_service_.get());
   control_server_ = control.BuildAndStart();
   if (control_server_ == nullptr || control_port_ == 0)
     return absl::UnavailableError(absl::StrCat("cannot listen on ", control_host, ":",
                                                options_.control_port, " (--control-port)"));
   grpc::ServerBuilder builder;
-  listen(builder, options_.host, options_.port, &port_);
+  listen(builder, options_.host, options_.port, &port_, RequestLimit(),
+         options_.max_request_tokens * c.hidden_size * int64_t{4} + (int64_t{1} << 20));
   builder.RegisterService(moe_service_.get());
   builder.RegisterService(diagnostics_service_.get());
   server_ = builder.BuildAndStart();
@@ -196,9 +201,9 @@ absl::Status Gateway::Start() {
 absl::Status Gateway::TryBeginRequest() {
   std::lock_guard<std::mutex> lock(in_flight_mu_);
   if (in_flight_ >= options_.max_concurrent_requests)
-    return absl::ResourceExhaustedError(
-        absl::StrCat(in_flight_, " requests in flight, the gateway's limit "
-                                 "(--max-concurrent-requests); retry later"));
+    return absl::ResourceExhaustedError(absl::StrCat(in_flight_,
+                                                     " requests in flight, the gateway's limit "
+                                                     "(--max-concurrent-requests); retry later"));
   ++in_flight_;
   return absl::OkStatus();
 }
@@ -247,12 +252,18 @@ void Gateway::Wait() {
   if (server_ != nullptr) server_->Wait();
 }
 
-int64_t Gateway::MessageLimit() const {
-  if (options_.max_message_bytes > 0) return options_.max_message_bytes;
+int64_t Gateway::RequestLimit() const {
+  if (options_.max_request_bytes > 0) return options_.max_request_bytes;
   const MoeConfig& c = engine_->config();
-  const int64_t request = options_.max_request_tokens * c.hidden_size * int64_t{4};
-  const int64_t rank_result = options_.batcher.max_tokens_per_step * c.expert_input_size() * 8;
-  return std::max(request, rank_result) + (int64_t{1} << 20);
+  // The response is no larger: the same rows (fp32 at most) and the routing (an id and a
+  // weight per choice) within the 1 MiB of headroom up to K3's top-16 at 4096 tokens.
+  return options_.max_request_tokens * c.hidden_size * int64_t{4} + (int64_t{1} << 20);
+}
+
+int64_t Gateway::ControlMessageLimit() const {
+  const MoeConfig& c = engine_->config();
+  return options_.batcher.max_tokens_per_step * c.expert_input_size() * int64_t{8} +
+         (int64_t{1} << 20);
 }
 
 bool Gateway::ready() const {

@@ -60,10 +60,10 @@ struct GatewayOptions {
   CpuBackendOptions cpu;        // gateway compute threads
   // NCCL: how long the communicator may take to form (ranks load their experts first).
   absl::Duration nccl_init_timeout = absl::Minutes(30);
-  // gRPC message limit; 0 = what the model needs: the largest request (max_request_tokens of
-  // fp32 rows) or a rank's largest step result (max_tokens_per_step fp64 rows), plus 1 MiB.
-  // It bounds what one message can make the gateway allocate before it is refused.
-  int64_t max_message_bytes = 0;
+  // Largest message on the public port; 0 = what the model needs: max_request_tokens fp32 rows
+  // plus 1 MiB. gRPC refuses a larger one on arrival, before the gateway allocates it. (The
+  // control port's limit is a rank's largest step result: max_tokens_per_step fp64 rows.)
+  int64_t max_request_bytes = 0;
   // Responses of one ForwardStream buffered for a client that reads slowly; beyond it, the
   // stream's new requests get RESOURCE_EXHAUSTED.
   int64_t max_stream_buffer_bytes = int64_t{64} << 20;
@@ -109,7 +109,8 @@ class Gateway {
   int port() const { return port_; }
   int control_port() const { return control_port_; }
   AccessControl& access() { return *access_; }
-  int64_t MessageLimit() const;  // the gRPC message limit in force (GatewayOptions)
+  int64_t RequestLimit() const;         // the public port's message limit (max_request_bytes)
+  int64_t ControlMessageLimit() const;  // the control port's: one rank's step result
   bool ready() const;
   std::string ReadinessMessage() const;  // "3 of 4 ranks up" when not ready
   const GatewayOptions& options() const { return options_; }

@@ -49,6 +49,9 @@ int main(int argc, char** argv) {
                "require `authorization: Bearer <token>` on MoeService calls");
   flags.String("admin-token-file", &admin_token_file,
                "require this token on MoeDiagnostics calls (PERMISSION_DENIED otherwise)");
+  flags.Int("max-request-bytes", &options.max_request_bytes,
+            "largest message on the public port, refused on arrival (0 = --max-request-tokens "
+            "fp32 rows + 1 MiB)");
   flags.Int("max-concurrent-requests", &options.max_concurrent_requests,
             "requests in flight at once (RESOURCE_EXHAUSTED beyond)");
   flags.String("layers", &layers,
@@ -169,13 +172,12 @@ int main(int argc, char** argv) {
                options.access.cluster_token.empty()
                    ? (options.tls.mutual() ? "" : "unauthenticated: --insecure-cluster")
                    : (options.tls.mutual() ? " + cluster token" : "cluster token"));
-  std::fprintf(stderr,
-               "moe-gateway: serving %s on %s:%d, layers %s, backend %s, %s; waiting for %d ranks\n",
-               options.checkpoint.c_str(), options.host.c_str(), (*gateway)->port(),
-               absl::StrJoin((*gateway)->engine().layers(), ",").c_str(),
-               (*gateway)->backend_name().c_str(),
-               options.tls.server_enabled() ? (options.tls.mutual() ? "mTLS" : "TLS") : "plaintext",
-               options.num_ranks);
+  std::fprintf(
+      stderr, "moe-gateway: serving %s on %s:%d, layers %s, backend %s, %s; waiting for %d ranks\n",
+      options.checkpoint.c_str(), options.host.c_str(), (*gateway)->port(),
+      absl::StrJoin((*gateway)->engine().layers(), ",").c_str(), (*gateway)->backend_name().c_str(),
+      options.tls.server_enabled() ? (options.tls.mutual() ? "mTLS" : "TLS") : "plaintext",
+      options.num_ranks);
   if (options.metrics_port >= 0)
     std::fprintf(stderr, "moe-gateway: metrics on %s:%d/metrics\n", options.metrics_host.c_str(),
                  (*gateway)->metrics_port());

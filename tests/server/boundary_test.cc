@@ -31,15 +31,15 @@ std::unique_ptr<moe::v1::MoeService::Stub> BigStub(const LocalCluster& cluster) 
       grpc::CreateCustomChannel(cluster.target(), grpc::InsecureChannelCredentials(), args));
 }
 
-grpc::Status Forward(moe::v1::MoeService::Stub& stub, int layer, int64_t tokens) {
+grpc::Status Forward(moe::v1::MoeService::Stub& stub, int layer, int64_t tokens,
+                     moe::v1::DType dtype = moe::v1::FP32) {
   std::mt19937 rng(static_cast<uint32_t>(tokens));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> x(tokens * 640);
   for (float& v : x) v = normal(rng);
   moe::v1::ForwardRequest request;
   request.set_layer(layer);
-  EXPECT_TRUE(
-      EncodeTensor(x.data(), {tokens, 640}, moe::v1::FP32, request.mutable_hidden_states()).ok());
+  EXPECT_TRUE(EncodeTensor(x.data(), {tokens, 640}, dtype, request.mutable_hidden_states()).ok());
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
   moe::v1::ForwardResponse response;
@@ -63,6 +63,21 @@ TEST(BoundaryTest, TheMessageLimitFollowsTheModelNotOneGibibyte) {
   // Refused by gRPC on arrival, not by request validation after the gateway took it in.
   EXPECT_NE(big.error_message().find("larger than max"), std::string::npos) << big.error_message();
   EXPECT_TRUE(Forward(*stub, 1, 3).ok()) << "the gateway serves on";
+}
+
+TEST(BoundaryTest, MaxRequestBytesLowersThePublicLimitOnly) {
+  // 30 kB on the public port: 16 fp32 tokens (41 kB) are refused on arrival, 23 bf16 tokens
+  // (29 kB) pass, and each rank's result for them (about 20 of the 23 rows, fp64 on 320
+  // columns: some 50 kB) still arrives, on the control port and its own limit.
+  LocalCluster cluster(
+      ClusterOptions{testing::TestCheckpoint("k3-mini"), 2, {"--max-request-bytes", "30000"}});
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  auto stub = BigStub(cluster);
+  const grpc::Status big = Forward(*stub, 1, 16);
+  EXPECT_EQ(big.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << big.error_message();
+  EXPECT_NE(big.error_message().find("larger than max"), std::string::npos) << big.error_message();
+  const grpc::Status fits = Forward(*stub, 1, 23, moe::v1::BF16);
+  EXPECT_TRUE(fits.ok()) << fits.error_message();
 }
 
 TEST(BoundaryTest, UnservedLayersMintNoMetricsSeries) {
