@@ -101,19 +101,15 @@ class SecurityTest : public ::testing::Test {
   }
 
   // A moe-rank process with the given extra flags, its log in the cluster's directory.
+  // `once`: --exit-on-disconnect (a refusal ends it) and a 3 s connect timeout.
   std::unique_ptr<testing::ChildProcess> StartRank(LocalCluster& cluster, int rank,
                                                    std::vector<std::string> flags,
-                                                   const std::string& log_name) {
-    std::vector<std::string> argv = {testing::BinaryPath("moe-rank"),
-                                     "--gateway",
-                                     cluster.control_target(),
-                                     "--rank",
-                                     std::to_string(rank),
-                                     "--threads",
-                                     "1",
-                                     "--exit-on-disconnect",
-                                     "--connect-timeout-s",
-                                     "3"};
+                                                   const std::string& log_name, bool once = true) {
+    std::vector<std::string> argv = {testing::BinaryPath("moe-rank"), "--gateway",
+                                     cluster.control_target(),        "--rank",
+                                     std::to_string(rank),            "--threads",
+                                     "1"};
+    if (once) argv.insert(argv.end(), {"--exit-on-disconnect", "--connect-timeout-s", "3"});
     argv.insert(argv.end(), flags.begin(), flags.end());
     return std::make_unique<testing::ChildProcess>(argv,
                                                    absl::StrCat(cluster.dir(), "/", log_name));
@@ -236,6 +232,30 @@ TEST_F(SecurityTest, ARogueRankIsRefusedAndTheRealRankTakesItsSlotBack) {
   CallResult result = Call(cluster.stub(), layer_, x_, {5, reference_->config().hidden_size});
   ASSERT_TRUE(result.status.ok()) << result.status.error_message();
   EXPECT_EQ(result.output, expected_);
+}
+
+TEST_F(SecurityTest, AReplacementRankWaitsOutAHungPredecessorAndTakesItsSlot) {
+  ClusterOptions options = Options();
+  options.gateway_args = {"--rank-timeout-ms", "1000", "--heartbeat-ms", "100"};
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  // Rank 1 hangs (still registered and counted up), and its replacement starts at once.
+  cluster.rank(1).Signal(SIGSTOP);
+  auto replacement = StartRank(cluster, 1, {"--cluster-token-file", cluster.token_file()},
+                               "replacement.log", /*once=*/false);
+  ASSERT_FALSE(replacement->WaitForLog("is already registered and up", absl::Seconds(10)).empty())
+      << replacement->Log();
+  // Liveness marks the hung one down within its timeout; the replacement registers.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline && replacement->Log().find("ready in") == std::string::npos)
+    absl::SleepFor(absl::Milliseconds(50));
+  while (absl::Now() < deadline && !cluster.Serving()) absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(cluster.Serving()) << replacement->Log() << cluster.Logs();
+  EXPECT_TRUE(replacement->running()) << "it retried instead of exiting";
+  CallResult result = Call(cluster.stub(), layer_, x_, {5, reference_->config().hidden_size});
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.output, expected_);
+  cluster.rank(1).Signal(SIGKILL);
 }
 
 TEST_F(SecurityTest, RankControlIsNotServedOnThePublicPort) {
