@@ -12,15 +12,18 @@
 //                    and hands them over in ascending rank order.
 // A rank's view: Receive() the next step, compute, Reply() with the partial sums.
 //
-// The contract every implementation keeps (tests/transport/conformance_test.cc checks loopback
-// and gRPC; tests/cuda/nccl_transport_test.cc NCCL on the CUDA emulator):
+// The contract every implementation keeps (tests/transport/conformance_test.cc checks loopback,
+// gRPC, and NCCL on the CUDA emulator with every member on a device of its own):
 //   - Steps of different layers may be in flight at once, one caller thread per layer: none
 //     fails because another is in flight (Send may wait for the wire: NCCL has one step on it).
 //   - Partials reach `consume` in ascending rank order, exactly as the rank computed them.
 //   - Collect fails DEADLINE_EXCEEDED once `deadline` passes, UNAVAILABLE naming the rank when a
 //     rank that got rows goes away (dies, or stays silent for the liveness timeout:
 //     stream_liveness.h), and RankFailure(rank, its error) when a rank reports one.
-//   - Abandon(step) after a failure: the step's late results are dropped, later steps work.
+//   - Abandon(step) after a failure: the step's late results are dropped, later steps work;
+//     except that a collective (NCCL) cannot lose a member or a step and go on: after a passed
+//     deadline or a rank gone it has aborted its communicator, and later steps fail
+//     UNAVAILABLE until the group forms a new one.
 //   - The transport counts the bytes it moved per rank and step (RankStepStats, ReceivedStep).
 #pragma once
 

@@ -2,8 +2,15 @@
 //   loopback  the in-process ranks LocalMoeLayer uses;
 //   grpc      GrpcGatewayTransport and real GrpcRankTransports over a gRPC server on
 //             loopback, each rank on a thread of its own with its own channel.
-// (NCCL keeps its own suite, tests/cuda/nccl_transport_test.cc on the CUDA emulator, since it
-// needs the emulated communicator; its Send waits for a step in flight as this suite requires.)
+//   nccl      NcclGatewayTransport and NcclRankTransports of one communicator, each rank on
+//             a thread; built only with the CUDA emulator (MOE_CONFORMANCE_NCCL, the
+//             transport_conformance_nccl_emulated_test binary of tests/cuda), whose device
+//             memory is host memory, so the ranks' ExpertShards read the rows in place.
+//
+// One difference is part of the contract: a collective transport cannot lose one member and
+// go on. After a passed deadline or a rank gone, NCCL has aborted its communicator and every
+// later step fails UNAVAILABLE until the group is formed again (transport/nccl_transport.h);
+// the stream transports go on with the other ranks. `Harness::survives_faults` says which.
 //
 // Each rank computes with a real ExpertShard of k3-mini (64 experts over 3 ranks: 22/21/21);
 // every partial handed to Collect's consumer must equal, bit for bit, the same shard run
@@ -25,6 +32,10 @@
 #include "tests/testing/test_checkpoints.h"
 #include "transport/grpc_transport.h"
 #include "transport/loopback_transport.h"
+#ifdef MOE_CONFORMANCE_NCCL
+#include "kernels/cuda/cuda_backend.h"
+#include "transport/nccl_transport.h"
+#endif
 
 namespace moe {
 namespace {
@@ -93,6 +104,8 @@ class Harness {
   virtual ~Harness() = default;
   virtual GatewayTransport& gateway() = 0;
   virtual void KillRank(int rank) = 0;
+  // False: after a passed deadline or a rank gone, later steps fail UNAVAILABLE (NCCL).
+  virtual bool survives_faults() const { return true; }
 };
 
 class LoopbackHarness final : public Harness {
@@ -211,6 +224,96 @@ class GrpcHarness final : public Harness {
   std::vector<std::thread> rank_threads_;
 };
 
+#ifdef MOE_CONFORMANCE_NCCL
+// One communicator of kRanks ranks + the gateway, every member on a thread of this process.
+class NcclHarness final : public Harness {
+ public:
+  explicit NcclHarness(Ranks& ranks) : ranks_(ranks) {
+    setenv("MOE_EMU_DEVICES", "4", 1);  // the gateway's device 0 and one per rank
+    auto id = NewNcclUniqueId();
+    EXPECT_TRUE(id.ok()) << id.status();
+    auto backend = CudaBackend::Create(CudaBackendOptions{});
+    EXPECT_TRUE(backend.ok()) << backend.status();
+    gateway_backend_ = std::move(*backend);
+    for (int r = 0; r < kRanks; ++r) rank_threads_.emplace_back([this, r, id] { RunRank(r, *id); });
+    NcclGatewayOptions options;
+    options.num_ranks = kRanks;
+    options.unique_id = *id;
+    options.backend = gateway_backend_.get();
+    options.init_timeout = absl::Seconds(30);
+    options.drain_timeout = absl::Seconds(5);
+    auto gateway = NcclGatewayTransport::Create(options);
+    EXPECT_TRUE(gateway.ok()) << gateway.status();
+    gateway_ = std::move(*gateway);
+  }
+  ~NcclHarness() override {
+    shutting_down_ = true;
+    if (gateway_ != nullptr) (void)gateway_->Shutdown();  // the ranks' Receive: CANCELLED
+    for (int r = 0; r < kRanks; ++r) KillRank(r);
+    for (auto& t : rank_threads_) t.join();
+    gateway_.reset();
+  }
+  GatewayTransport& gateway() override { return *gateway_; }
+  // The rank leaves the communicator, and the liveness verdict reaches the gateway, as
+  // Gateway::OnRankState passes it on in the service.
+  void KillRank(int rank) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      killed_[rank] = true;
+      if (rank_transports_[rank] != nullptr) rank_transports_[rank]->Cancel();
+    }
+    if (gateway_ != nullptr && !shutting_down_) gateway_->RankDown(rank, "is gone (test)");
+  }
+  bool survives_faults() const override { return false; }
+
+ private:
+  void RunRank(int rank, const std::string& id) {
+    CudaBackendOptions device;
+    device.device = 1 + rank;  // a device of its own, as in a deployment (MOE_EMU_DEVICES)
+    auto backend = CudaBackend::Create(device);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    NcclRankOptions options;
+    options.rank = rank;
+    options.num_ranks = kRanks;
+    options.unique_id = id;
+    options.backend = backend->get();
+    options.init_timeout = absl::Seconds(30);
+    auto created = NcclRankTransport::Create(options);
+    ASSERT_TRUE(created.ok()) << created.status();
+    std::unique_ptr<NcclRankTransport> transport = std::move(*created);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      rank_transports_[rank] = transport.get();
+      if (killed_[rank]) transport->Cancel();
+    }
+    Workspace workspace(&ranks_.backend());  // host memory: the emulator's device memory too
+    for (;;) {
+      auto step = transport->Receive();
+      if (!step.ok()) break;
+      auto partial = workspace.Partial(0, step->rows.rows, step->rows.cols);
+      ASSERT_TRUE(partial.ok());
+      const absl::Status s = ranks_.Compute(step->layer, rank, step->rows, step->assignments,
+                                            step->precision, *partial);
+      const absl::StatusOr<ConstPartialView> result =
+          s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
+                 : absl::StatusOr<ConstPartialView>(s);
+      if (!transport->Reply(step->step_id, result, RankStepStats{}).ok()) break;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    rank_transports_[rank] = nullptr;
+  }
+
+  Ranks& ranks_;
+  std::unique_ptr<CudaBackend> gateway_backend_;
+  std::unique_ptr<NcclGatewayTransport> gateway_;
+  std::atomic<bool> shutting_down_{false};
+  std::mutex mu_;
+  NcclRankTransport* rank_transports_[kRanks] = {};  // guarded by mu_
+  bool killed_[kRanks] = {};                         // guarded by mu_
+  std::vector<std::thread> rank_threads_;
+};
+#endif  // MOE_CONFORMANCE_NCCL
+
 // One step's rows and assignments for some ranks, random but reproducible.
 struct StepData {
   std::vector<std::vector<float>> rows;  // per part
@@ -302,10 +405,12 @@ absl::Status RunStep(GatewayTransport& transport, Ranks& ranks, const StepData& 
 class TransportContract : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    if (GetParam() == "loopback")
-      harness_ = std::make_unique<LoopbackHarness>(ranks_);
-    else
-      harness_ = std::make_unique<GrpcHarness>(ranks_);
+    if (GetParam() == "loopback") harness_ = std::make_unique<LoopbackHarness>(ranks_);
+    if (GetParam() == "grpc") harness_ = std::make_unique<GrpcHarness>(ranks_);
+#ifdef MOE_CONFORMANCE_NCCL
+    if (GetParam() == "nccl") harness_ = std::make_unique<NcclHarness>(ranks_);
+#endif
+    ASSERT_NE(harness_, nullptr) << GetParam();
   }
   void TearDown() override { harness_.reset(); }
   GatewayTransport& transport() { return harness_->gateway(); }
@@ -368,7 +473,12 @@ TEST_P(TransportContract, ADeadlinePassedFailsTheStepAndItsLateResultIsDropped) 
   ranks_.behavior(0).delay_ms = 0;
   absl::SleepFor(absl::Milliseconds(700));  // the abandoned step's result arrives, unwanted
   auto next = MakeStep(ranks_, layer, {0, 1}, 22);
-  EXPECT_TRUE(RunStep(transport(), ranks_, *next).ok());
+  const absl::Status after = RunStep(transport(), ranks_, *next);
+  if (harness_->survives_faults()) {
+    EXPECT_TRUE(after.ok()) << after;
+  } else {
+    EXPECT_EQ(after.code(), absl::StatusCode::kUnavailable) << "the communicator is aborted";
+  }
 }
 
 TEST_P(TransportContract, ARankGoneMidStepFailsItWithUnavailable) {
@@ -390,11 +500,17 @@ TEST_P(TransportContract, ARankGoneMidStepFailsItWithUnavailable) {
   EXPECT_LT(absl::Now() - t0, absl::Seconds(3)) << "not the 20 s deadline";
   transport().Abandon(step->dispatch.step_id);
   ranks_.behavior(2).delay_ms = 0;
-  // The other ranks still serve.
+  // The other ranks still serve (a stream transport), or the group must form again (NCCL).
   auto rest = MakeStep(ranks_, layer, {0, 1}, 32);
-  EXPECT_TRUE(RunStep(transport(), ranks_, *rest).ok());
+  const absl::Status after = RunStep(transport(), ranks_, *rest);
+  if (harness_->survives_faults()) {
+    EXPECT_TRUE(after.ok()) << after;
+  } else {
+    EXPECT_EQ(after.code(), absl::StatusCode::kUnavailable) << after;
+  }
 }
 
+#ifndef MOE_CONFORMANCE_NCCL
 // gRPC only: what a rank sends is only kept when the gateway awaits it.
 TEST(GrpcTransportTest, ResultsForStepsNotAwaitedAreDroppedAndCounted) {
   Ranks ranks;
@@ -414,9 +530,15 @@ TEST(GrpcTransportTest, ResultsForStepsNotAwaitedAreDroppedAndCounted) {
   auto next = MakeStep(ranks, layer, {0, 1, 2}, 42);
   EXPECT_TRUE(RunStep(harness.gateway(), ranks, *next).ok()) << "the stream is unharmed";
 }
+#endif
 
+#ifdef MOE_CONFORMANCE_NCCL
+INSTANTIATE_TEST_SUITE_P(Transports, TransportContract, ::testing::Values("nccl"),
+                         [](const auto& param_info) { return param_info.param; });
+#else
 INSTANTIATE_TEST_SUITE_P(Transports, TransportContract, ::testing::Values("loopback", "grpc"),
                          [](const auto& param_info) { return param_info.param; });
+#endif
 
 }  // namespace
 }  // namespace moe

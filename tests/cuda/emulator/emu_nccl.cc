@@ -1,8 +1,10 @@
 // Fake NCCL of the CPU emulator: see include/nccl.h. Unix-domain sockets in the abstract
-// namespace; the process that created the unique id listens and every other member connects
-// to it (the communicator is a star around that member, enough for the gateway <-> rank
-// exchange). Grouped operations run on the stream's worker thread with non-blocking sockets
-// and poll, so sends and receives of one group progress together.
+// namespace; the process that created the unique id listens, its member of the highest rank
+// (the gateway, NCCL rank R, in this project) accepts, and every other member connects to it,
+// from another process or from a thread of the same one (the communicator is a star around
+// that member, enough for the gateway <-> rank exchange). Grouped operations run on the stream's
+// worker thread with non-blocking sockets and poll, so sends and receives of one group progress
+// together.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -261,7 +263,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId i
   bool hub;
   {
     std::lock_guard<std::mutex> lock(g_listen_mu);
-    hub = g_listeners.count(name) > 0;
+    hub = g_listeners.count(name) > 0 && rank == nranks - 1;
   }
   st->init = std::thread(Connect, st.get(), name, hub);
   *comm = new ncclComm{st};

@@ -241,13 +241,16 @@ void Stream::Run() {
 
 namespace {
 std::mutex g_streams_mu;
-std::set<Stream*> g_streams;
+std::map<Stream*, int> g_streams;  // -> the device current when it was created
 }  // namespace
+
+// The calling thread's current device (cudaSetDevice), as in CUDA.
+thread_local int g_device = 0;
 
 Stream* NewStream() {
   auto* s = new Stream();
   std::lock_guard<std::mutex> lock(g_streams_mu);
-  g_streams.insert(s);
+  g_streams[s] = g_device;
   return s;
 }
 void DeleteStream(Stream* s) {
@@ -257,11 +260,15 @@ void DeleteStream(Stream* s) {
   }
   delete s;  // finishes the queued work first
 }
+// Waits for the streams of the calling thread's device only: members of one NCCL
+// communicator on different emulated devices of one process (the transport conformance
+// suite) must not wait for each other's blocked receives, as separate GPUs would not.
 void DeviceSynchronize() {
   std::vector<Stream*> all;
   {
     std::lock_guard<std::mutex> lock(g_streams_mu);
-    all.assign(g_streams.begin(), g_streams.end());
+    for (const auto& [stream, device] : g_streams)
+      if (device == g_device) all.push_back(stream);
   }
   for (Stream* s : all) s->Wait();
 }
@@ -300,20 +307,34 @@ extern "C" void emu_fiber_entry() {
   std::abort();  // never resumed
 }
 
-// ---- the runtime: one emulated sm_90 device --------------------------------------------------
+// ---- the runtime: emulated sm_90 devices -----------------------------------------------------
+// One device, or MOE_EMU_DEVICES (1..8) of them: they share the process's memory and differ
+// only in which streams cudaDeviceSynchronize (and so cudaFree) waits for.
 using emu::OnStream;
 
+namespace {
+int EmulatedDevices() {
+  const char* env = std::getenv("MOE_EMU_DEVICES");
+  const int n = env != nullptr ? std::atoi(env) : 1;
+  return n >= 1 && n <= 8 ? n : 1;
+}
+}  // namespace
+
 cudaError_t cudaGetDeviceCount(int* n) {
-  *n = 1;
+  *n = EmulatedDevices();
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* d) {
-  *d = 0;
+  *d = emu::g_device;
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= EmulatedDevices()) return cudaErrorInvalidDevice;
+  emu::g_device = d;
+  return cudaSuccess;
+}
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
-  if (d != 0) return cudaErrorInvalidDevice;
+  if (d < 0 || d >= EmulatedDevices()) return cudaErrorInvalidDevice;
   std::snprintf(p->name, sizeof(p->name), "EMULATED sm_90 (CPU)");
   p->major = 9;
   p->minor = 0;
