@@ -12,6 +12,8 @@ PACKAGES=(
   prometheus-cpp-dev libcivetweb-dev nlohmann-json3-dev zlib1g-dev libssl-dev libc-ares-dev libre2-dev
   # tests (qemu-user: the binaries on emulated CPUs without AVX-512 / AVX, tests/isa)
   libgtest-dev libgmock-dev qemu-user
+  # certificates for the TLS tests and deployments (scripts/make-certs.sh)
+  openssl
   # CPU math (GEMM roofline reference)
   libdnnl-dev
   # independent reference, python client, plots

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Makes a development CA and certificates for TLS/mTLS between gateway, ranks and clients.
+# Makes a development CA, certificates for TLS/mTLS between gateway, ranks and clients, and a
+# cluster token.
 #
-#   scripts/make-certs.sh DIR [NAME...]
+#   scripts/make-certs.sh [--owner UID:GID] DIR [NAME...]
 #
 # DIR/ca.pem            the CA (give it to every side as --tls-ca)
 # DIR/gateway.{pem,key} server certificate for localhost, 127.0.0.1, ::1, `gateway` and each
@@ -9,11 +10,30 @@
 #                       so moe-cluster can hand the same pair to its ranks
 # DIR/rank.{pem,key}    client certificate for ranks (mTLS)
 # DIR/client.{pem,key}  client certificate for callers (a gateway with --tls-ca requires one)
+# DIR/cluster-token     random shared secret for --cluster-token-file (gateway and every rank)
+# DIR/.gitignore        `*`: nothing of DIR gets committed by accident
 #
-# ECDSA P-256, valid 365 days, keys mode 0600. For production, use your own PKI (cert-manager,
-# Vault); this is for development, tests and the compose/Kubernetes examples.
+# ECDSA P-256, valid 365 days; keys and the token mode 0600 (ca.key stays in DIR to issue more).
+# --owner UID:GID (as root): chown what the services read (not ca.key) to the containers' user;
+# compose bind-mounts secret files with their host owner and mode, and the images run as
+# 10001:10001 (`sudo scripts/make-certs.sh --owner 10001:10001 deploy/secrets`).
+# For production, use your own PKI (cert-manager, Vault); this is for development, tests and the
+# compose/Kubernetes examples.
 set -euo pipefail
-dir=${1:?usage: make-certs.sh DIR [NAME...]}
+owner=""
+if [[ ${1:-} == --owner ]]; then
+  owner=${2:?usage: make-certs.sh [--owner UID:GID] DIR [NAME...]}
+  shift 2
+  if [[ ! $owner =~ ^[0-9]+:[0-9]+$ ]]; then
+    echo "make-certs: --owner wants numeric UID:GID, got '$owner'" >&2
+    exit 2
+  fi
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "make-certs: --owner needs root (sudo) to chown" >&2
+    exit 2
+  fi
+fi
+dir=${1:?usage: make-certs.sh [--owner UID:GID] DIR [NAME...]}
 shift
 mkdir -p "$dir"
 cd "$dir"
@@ -46,5 +66,13 @@ issue gateway moe-gateway "${common}extendedKeyUsage=serverAuth,clientAuth\nsubj
 issue rank moe-rank "${common}extendedKeyUsage=clientAuth\n"
 issue client moe-client "${common}extendedKeyUsage=clientAuth\n"
 rm -f ca.srl
-chmod 0644 ca.pem gateway.pem rank.pem client.pem
-echo "make-certs: wrote $(pwd)/{ca,gateway,rank,client}.pem and keys (SAN $san)"
+# A new token with every new CA: 32 random bytes, hex (rename: a reader never sees half a file).
+openssl rand -hex 32 > cluster-token.tmp
+mv -f cluster-token.tmp cluster-token
+printf '*\n' > .gitignore
+chmod 0644 ca.pem gateway.pem rank.pem client.pem .gitignore
+chmod 0600 ca.key gateway.key rank.key client.key cluster-token
+if [[ -n $owner ]]; then
+  chown "$owner" . ca.pem gateway.pem gateway.key rank.pem rank.key client.pem client.key cluster-token
+fi
+echo "make-certs: wrote $(pwd)/{ca,gateway,rank,client}.pem, their keys and cluster-token (SAN $san)"

@@ -10,7 +10,18 @@ compose_cpu_test.py; compose.yaml cannot run here (no GPU, no Docker), so this i
     capabilities [gpu]); ipc: host and a shm_size; the documented NCCL_* knobs are set;
     --transport defaults to nccl and follows MOE_TRANSPORT;
   - the checkpoint is mounted read-only where --checkpoint points (ranks read the gateway's path);
-  - published ports are ports the command listens on;
+  - published ports are ports the command listens on; /metrics is published on 127.0.0.1 only;
+  - trust boundaries: the ranks' --gateway is the gateway service on its --control-port, which no
+    service publishes; the gateway authenticates ranks (no --insecure-cluster; a cluster token
+    and/or mTLS) and every rank carries that credential (the same token file, or a client
+    certificate); the gateway serves TLS on its public port and every client of it (ranks, health
+    checks) verifies it with --tls-ca (and brings a client certificate under mTLS);
+  - secrets: every credential file (--tls-*, --*token-file) is a compose `secret` (mounted
+    read-only under /run/secrets) of the service that reads it, every secret a service mounts is
+    used by it (ranks never get the gateway's key), and their files lie in ${MOE_SECRETS_DIR};
+    with the files of scripts/make-certs.sh there, the CA each client trusts signed the gateway's
+    certificate, that certificate names the host each client connects to, and the key is the
+    certificate's;
   - ranks depend on the gateway being healthy, and the health checks are the ones
     compose_cpu_test.py exercises on the CPU file (the gateway's accepts NOT_SERVING: it only turns
     SERVING after the ranks registered, so a SERVING check would deadlock);
@@ -20,7 +31,9 @@ usage: check_compose.py [--bin-dir DIR] [--source-dir DIR]
 """
 
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -41,10 +54,12 @@ def normalized_healthcheck(spec):
 
 
 class ComposeFile:
-    def __init__(self, path, bindir, f, env=None):
+    def __init__(self, path, bindir, f, env=None, source=None):
         self.path = path
         self.bindir = bindir
         self.f = f
+        self.env = dict(env or {})
+        self.source = source or dc.SOURCE_DIR
         self.config = dc.compose_config(path, env)
         self.services = {}
         self.external = {}
@@ -64,11 +79,38 @@ class ComposeFile:
     def listen_ports(self, name):
         spec, binary, values = self.services[name]
         ports = set()
-        for flag in ("port", "metrics-port"):
+        for flag in ("port", "control-port", "metrics-port"):
             v = dc.flag_value(self.bindir, binary, values, flag)
             if v is not None and re.fullmatch(r"[0-9]+", v) and int(v) > 0:
                 ports.add(int(v))
         return ports
+
+    def healthcheck_commands(self, name):
+        """Command lines of project binaries in a service's healthcheck."""
+        spec = self.services[name][0]
+        test = (spec.get("healthcheck") or {}).get("test")
+        if not test or test[0] == "NONE":
+            return []
+        if isinstance(test, str):
+            test = ["CMD-SHELL", test]
+        lines = dc.commands_in_shell(test[1]) if test[0] == "CMD-SHELL" else [test[1:]]
+        return [l for l in lines if l and l[0] in dc.BINARIES]
+
+    def secret_mounts(self, name):
+        try:
+            return dc.compose_secret_mounts(self.services[name][0], self.config)
+        except dc.CheckFailed as e:
+            self.f.add(f"{self.path.name} service {name}: {e}")
+            return []
+
+    def credential(self, name, path, what):
+        """The host file of credential `path` in service `name`: must be one of its secrets."""
+        for target, host, _ in self.secret_mounts(name):
+            if path == target:
+                return host
+        self.f.add(f"{self.path.name} service {name}: {what} {path} is not one of the service's compose "
+                   "secrets (mounted read-only under /run/secrets)")
+        return None
 
     def of(self, binary):
         return {n: s for n, s in self.services.items() if s[1] == binary}
@@ -80,7 +122,8 @@ class ComposeFile:
         if not f.check(len(gateways) == 1, f"{where}: {len(gateways)} gateway services, expected 1"):
             return
         (gw_name, (gw_spec, _, gw_values)), = gateways.items()
-        gw_port = int(dc.flag_value(self.bindir, "moe-gateway", gw_values, "port"))
+        gw = dc.gateway_security(self.bindir, gw_values)
+        gw_port = gw["control_port"]
         want = int(gw_values.get("ranks", "1"))
         f.check(len(ranks) == want, f"{where}: gateway --ranks {want}, {len(ranks)} rank services")
         claimed = sorted(int(v.get("rank", "-1")) for _, _, v in ranks.values())
@@ -88,14 +131,24 @@ class ComposeFile:
         checkpoint = gw_values.get("checkpoint", "")
         for name, (spec, binary, values) in self.services.items():
             sw = f"{where} service {name}"
+            metrics_port = dc.flag_value(self.bindir, binary, values, "metrics-port")
             for entry in spec.get("ports", []):
-                _, target = dc.parse_port(entry)
+                host_ip, _, target = dc.parse_port_binding(entry)
                 f.check(target in self.listen_ports(name), f"{sw}: publishes {target}, listens on "
                         f"{sorted(self.listen_ports(name))}")
+                if binary == "moe-gateway":
+                    f.check(target != gw["control_port"], f"{sw}: publishes the control port {target}: ranks "
+                            "reach it on the compose network; keep it off published ports")
+                if metrics_port is not None and str(target) == str(metrics_port):
+                    f.check(host_ip in ("127.0.0.1", "::1", "localhost"), f"{sw}: publishes /metrics ({target}) "
+                            f"on {host_ip or 'every interface'}; publish it on 127.0.0.1 only")
             if binary == "moe-rank":
                 m = re.fullmatch(r"([A-Za-z0-9_.-]+):([0-9]+)", values.get("gateway", ""))
                 f.check(m is not None and m.group(1) == gw_name and int(m.group(2)) == gw_port,
-                        f"{sw}: --gateway {values.get('gateway')}, the gateway is {gw_name}:{gw_port}")
+                        f"{sw}: --gateway {values.get('gateway')}, the gateway's control port is "
+                        f"{gw_name}:{gw_port}")
+                for problem in dc.rank_auth_problems(gw, values, "the rank"):
+                    f.add(f"{sw}: {problem}")
                 dep = (spec.get("depends_on") or {}).get(gw_name) or {}
                 f.check(dep.get("condition") == "service_healthy",
                         f"{sw}: should depend on {gw_name} with condition service_healthy")
@@ -128,8 +181,98 @@ class ComposeFile:
                     gpus.setdefault(str(devices[0]["device_ids"][0]), []).append(name)
             for gpu_id, names in gpus.items():
                 f.check(len(names) == 1, f"{where}: GPU {gpu_id} reserved by {names}")
+        self.check_secrets(gw_name, gw)
         self.check_prometheus()
         return gw_name
+
+    def check_secrets(self, gw_name, gw):
+        """Credential files are the services' own read-only secrets, shared where they must be, and
+        with make-certs.sh's files they form a working chain of trust."""
+        f, where = self.f, self.path.name
+        gw_values = self.services[gw_name][2]
+        f.check(gw["tls"], f"{where}: the gateway serves its public port in plaintext (give --tls-cert/--tls-key)")
+        used = {}    # service -> container paths its command and health checks read
+        hosts = {}   # (service, flag) -> host file
+        for name, (spec, binary, values) in self.services.items():
+            lines = [(binary, values, "command")]
+            for argv in self.healthcheck_commands(name):
+                try:
+                    b, _, v = dc.parse_argv(self.bindir, argv)
+                except dc.CheckFailed as e:
+                    f.add(f"{where} service {name} healthcheck: {e}")
+                    continue
+                lines.append((b, v, "healthcheck"))
+            used[name] = set()
+            for b, v, what in lines:
+                for flag in dc.CREDENTIAL_FLAGS:
+                    if v.get(flag):
+                        used[name].add(v[flag])
+                        hosts[(name, what, flag)] = self.credential(name, v[flag], f"{what} --{flag}")
+                if b == "moe-client":
+                    for problem in dc.tls_client_problems(gw, v, f"the {what} (moe-client)"):
+                        f.add(f"{where} service {name}: {problem}")
+                    m = re.fullmatch(r"([A-Za-z0-9_.-]+):([0-9]+)", v.get("target", ""))
+                    f.check(m is not None and int(m.group(2)) != gw["control_port"],
+                            f"{where} service {name}: {what} --target {v.get('target')} (the control port serves "
+                            "only RankControl)")
+            for target, host, secret in self.secret_mounts(name):
+                f.check(target in used[name], f"{where} service {name}: mounts secret {secret} at {target} but "
+                        "never reads it (give each service only the secrets it uses)")
+        # The ranks present the gateway's token.
+        gw_token = hosts.get((gw_name, "command", "cluster-token-file"))
+        for name, (_, binary, _) in self.services.items():
+            if binary == "moe-rank" and gw_token and (name, "command", "cluster-token-file") in hosts:
+                token = hosts[(name, "command", "cluster-token-file")]
+                f.check(token == gw_token, f"{where} service {name}: its cluster token {token} is not the "
+                        f"gateway's {gw_token}")
+        # ${MOE_SECRETS_DIR} moves every secret.
+        moved = dc.compose_config(self.path, dict(self.env, MOE_SECRETS_DIR="/moe-secrets-dir-check"))
+        for secret, spec in (moved.get("secrets") or {}).items():
+            f.check(str(spec.get("file", "")).startswith("/moe-secrets-dir-check/"),
+                    f"{where}: secret {secret} ({spec.get('file')}) does not follow MOE_SECRETS_DIR")
+        # With make-certs.sh's files: the chain of trust works.
+        with tempfile.TemporaryDirectory(prefix="moe-compose-certs-") as tmp:
+            out = subprocess.run(["bash", str(self.source / "scripts" / "make-certs.sh"), tmp],
+                                 capture_output=True, text=True, timeout=120)
+            if not f.check(out.returncode == 0, f"scripts/make-certs.sh failed: {out.stderr.strip()}"):
+                return
+            real = ComposeFile(self.path, self.bindir, dc.Failures("unused"), dict(self.env, MOE_SECRETS_DIR=tmp),
+                               self.source)
+            real_hosts = {}
+            for name in real.services:
+                for target, host, secret in real.secret_mounts(name):
+                    f.check(Path(host).is_file(), f"{where}: secret {secret} reads {host}, which "
+                            "scripts/make-certs.sh does not write")
+                    real_hosts[(name, target)] = host
+            cert = real_hosts.get((gw_name, gw_values.get("tls-cert")))
+            key = real_hosts.get((gw_name, gw_values.get("tls-key")))
+            if not (cert and key and Path(cert).is_file() and Path(key).is_file()):
+                return
+            pub_cert = subprocess.run(["openssl", "x509", "-in", cert, "-noout", "-pubkey"], capture_output=True,
+                                      text=True).stdout
+            pub_key = subprocess.run(["openssl", "pkey", "-in", key, "-pubout"], capture_output=True, text=True).stdout
+            f.check(pub_cert and pub_cert == pub_key, f"{where}: the gateway's --tls-key is not the key of its "
+                    "--tls-cert")
+            for name, (spec, binary, values) in self.services.items():
+                clients = [("command", values, binary)] + [
+                    ("healthcheck", dc.parse_argv(self.bindir, a)[2], a[0]) for a in self.healthcheck_commands(name)]
+                for what, v, b in clients:
+                    if b not in ("moe-rank", "moe-client") or not v.get("tls-ca"):
+                        continue
+                    ca = real_hosts.get((name, v["tls-ca"]))
+                    if not ca:
+                        continue
+                    ok = subprocess.run(["openssl", "verify", "-CAfile", ca, cert], capture_output=True, text=True)
+                    f.check(ok.returncode == 0, f"{where} service {name}: the {what}'s --tls-ca did not sign the "
+                            f"gateway's certificate: {ok.stdout.strip()} {ok.stderr.strip()}")
+                    address = v.get("gateway") if b == "moe-rank" else v.get("target")
+                    host = v.get("tls-server-name") or (address or "").rsplit(":", 1)[0]
+                    check = "-checkip" if re.fullmatch(r"[0-9.]+|[0-9a-fA-F:]+", host) else "-checkhost"
+                    named = subprocess.run(["openssl", "x509", "-in", cert, "-noout", check, host],
+                                           capture_output=True, text=True)
+                    f.check(named.returncode == 0 and "does match" in named.stdout,
+                            f"{where} service {name}: the {what} verifies the name {host}, which the gateway "
+                            f"certificate of scripts/make-certs.sh does not carry")
 
     def check_prometheus(self):
         f, where = self.f, self.path.name
@@ -163,9 +306,9 @@ def main():
     _, source, bindir = dc.parse_check_args()
     f = dc.Failures("check_compose")
     try:
-        gpu = ComposeFile(source / "deploy" / "compose.yaml", bindir, f)
+        gpu = ComposeFile(source / "deploy" / "compose.yaml", bindir, f, source=source)
         gpu.check(gpu=True)
-        cpu = ComposeFile(source / "deploy" / "compose.cpu.yaml", bindir, f)
+        cpu = ComposeFile(source / "deploy" / "compose.cpu.yaml", bindir, f, source=source)
         cpu.check(gpu=False)
         # The GPU file's health checks are the ones the CPU drift test runs (ports aside).
         for binary in ("moe-gateway", "moe-rank"):
@@ -174,13 +317,14 @@ def main():
             f.check(g == c and len(g) == 1, f"{binary} healthchecks differ between compose.yaml {g} and "
                     f"compose.cpu.yaml {c} (only the CPU file's run in compose_cpu_test.py)")
         # MOE_TRANSPORT switches the GPU file's transport.
-        grpc = ComposeFile(source / "deploy" / "compose.yaml", bindir, f, env={"MOE_TRANSPORT": "grpc"})
+        grpc = ComposeFile(source / "deploy" / "compose.yaml", bindir, f, env={"MOE_TRANSPORT": "grpc"}, source=source)
         (_, (_, _, values)), = grpc.of("moe-gateway").items()
         f.check(values.get("transport") == "grpc", "MOE_TRANSPORT=grpc does not reach the gateway's --transport")
     except dc.CheckFailed as e:
         f.add(str(e))
     f.finish(f"compose.yaml: gateway + {len(gpu.of('moe-rank'))} ranks on distinct GPUs; compose.cpu.yaml: gateway + "
-             f"{len(cpu.of('moe-rank'))} ranks; flags, ranks, mounts, ports, health checks and scrape targets agree")
+             f"{len(cpu.of('moe-rank'))} ranks; flags, ranks, mounts, ports, control port, credentials, secrets, TLS, health checks and scrape "
+             "targets agree")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,12 @@
     CMakeLists.txt adds (so the image builds what the tree builds);
   - the configure step's -D options are options of the project (or CMake's), the --target names
     are executables of the project, and the runtime stage ships exactly those binaries;
-  - runtime: numeric non-root USER 10001, EXPOSE 50051 9400, HEALTHCHECK with moe-client health,
-    tini ENTRYPOINT, a CMD;
+  - runtime: numeric non-root USER 10001, EXPOSE 50051 9400 and not the gateway's control port
+    (`docker run -P` publishes every EXPOSEd port), tini ENTRYPOINT, a CMD;
+  - the HEALTHCHECK, run under /bin/sh with a stub moe-client: plaintext
+    `moe-client health --target 127.0.0.1:50051` by default, MOE_PORT moves it, MOE_HEALTH_TLS_CA
+    adds --tls-ca and MOE_HEALTH_TLS_CERT/KEY a client certificate (paths with spaces intact),
+    every call parses against moe-client's --help, and moe-client's exit 2 becomes 1;
   - docker/runtime-packages.sh, run on the build tree's binaries, names installed packages that
     own every library they load (the runtime stage installs that list);
   - --configure: the build stage's sources (exactly the COPY'd paths, .dockerignore applied) are
@@ -230,9 +234,11 @@ class Checker:
                 f"{where}: no user with uid 10001 is created")
         exposed = set(" ".join(instr.get("EXPOSE", [])).split())
         f.check({"50051", "9400"} <= exposed, f"{where}: EXPOSE {sorted(exposed)}, expected 50051 9400")
+        control = dc.binary_flags(self.bindir, "moe-gateway")["control-port"].default
+        f.check(control not in exposed, f"{where}: EXPOSE {control}, the gateway's control port: `docker run -P` "
+                "would publish it; keep it off published ports")
         hc = (instr.get("HEALTHCHECK") or [""])[-1]
-        f.check("moe-client health --target 127.0.0.1:${MOE_PORT:-50051}" in hc,
-                f"{where}: HEALTHCHECK should run moe-client health --target 127.0.0.1:${{MOE_PORT:-50051}}")
+        self.check_healthcheck(where, hc)
         entry = dc.exec_form((instr.get("ENTRYPOINT") or ["[]"])[-1]) or []
         f.check(bool(entry) and os.path.basename(entry[0]) == "tini", f"{where}: ENTRYPOINT {entry}, expected tini")
         cmd = dc.exec_form((instr.get("CMD") or ["[]"])[-1]) or []
@@ -243,6 +249,54 @@ class Checker:
                 f.add(f"{where}: CMD {e}")
         f.check("tini" in " ".join(instr.get("RUN", [])), f"{where}: the runtime stage does not install tini")
         return configure.group(1).strip() if configure else None, copied
+
+    def check_healthcheck(self, where, hc):
+        """Runs the HEALTHCHECK's command under /bin/sh with a stub moe-client, for the default
+        environment and the TLS variables."""
+        f = self.f
+        command = re.sub(r"^(--[a-z-]+=\S+\s+)*CMD\s+", "", hc)
+        if not f.check(command != hc and "moe-client health" in command,
+                       f"{where}: HEALTHCHECK should be `CMD moe-client health ...` (shell form)"):
+            return
+        cases = [
+            ({}, ["--target", "127.0.0.1:50051"], 0),
+            ({"MOE_PORT": "6000"}, ["--target", "127.0.0.1:6000"], 0),
+            ({"MOE_HEALTH_TLS_CA": "/run/secrets/my ca.pem"},
+             ["--target", "127.0.0.1:50051", "--tls-ca", "/run/secrets/my ca.pem"], 0),
+            ({"MOE_PORT": "6001", "MOE_HEALTH_TLS_CA": "/s/ca.pem", "MOE_HEALTH_TLS_CERT": "/s/client.pem",
+              "MOE_HEALTH_TLS_KEY": "/s/client.key"},
+             ["--target", "127.0.0.1:6001", "--tls-ca", "/s/ca.pem", "--tls-cert", "/s/client.pem",
+              "--tls-key", "/s/client.key"], 0),
+        ]
+        stubs = Path(tempfile.mkdtemp(prefix="moe-healthcheck-"))
+        try:
+            log = stubs / "calls"
+            stub = stubs / "moe-client"
+            stub.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > "{log}"\nexit "${{STUB_RC:-0}}"\n')
+            stub.chmod(0o755)
+            base = {"PATH": f"{stubs}:/usr/bin:/bin"}
+            for env, want, _ in cases:
+                out = subprocess.run(["/bin/sh", "-c", command], env=dict(base, **env), capture_output=True, text=True,
+                                     timeout=30)
+                got = log.read_text().rstrip("\0").split("\0") if log.exists() else []
+                log.unlink(missing_ok=True)
+                if not f.check(out.returncode == 0, f"{where}: HEALTHCHECK with {env or 'no variables'} exited "
+                               f"{out.returncode}: {out.stderr.strip()}"):
+                    continue
+                f.check(got[:1] == ["health"] and sorted(zip(got[1::2], got[2::2])) == sorted(zip(want[::2], want[1::2]))
+                        and len(got) == len(want) + 1,
+                        f"{where}: HEALTHCHECK with {env or 'no variables'} runs moe-client {got}, expected "
+                        f"health {want}")
+                try:
+                    dc.parse_argv(self.bindir, ["moe-client"] + got)
+                except dc.CheckFailed as e:
+                    f.add(f"{where}: HEALTHCHECK: {e}")
+            out = subprocess.run(["/bin/sh", "-c", command], env=dict(base, STUB_RC="2"), capture_output=True,
+                                 text=True, timeout=30)
+            f.check(out.returncode == 1, f"{where}: HEALTHCHECK exits {out.returncode} when moe-client exits 2 "
+                    "(Docker reserves 2; map failures to 1)")
+        finally:
+            shutil.rmtree(stubs, ignore_errors=True)
 
     def runtime_packages(self):
         script = self.source / "docker" / "runtime-packages.sh"

@@ -19,10 +19,23 @@ Semantics:
     publishNotReadyAddresses (the gateway is only ready once ranks have registered) on the
     gateway's port; --ranks equals the StatefulSet's replicas;
   - the checkpoint: a ReadOnlyMany PVC mounted read-only where --checkpoint points;
+  - trust boundaries: the ranks' --gateway reaches the gateway's --control-port through a Service
+    that carries only the control port, and no other Service (the clients' one) carries it; the
+    gateway authenticates ranks (no --insecure-cluster; cluster token and/or mTLS) and every rank
+    presents that credential (the same Secret key as the gateway's token, or a client
+    certificate); the gateway serves TLS, so its probes are exec probes (the kubelet's gRPC probe is
+    plaintext) whose moe-client verifies it with --tls-ca under a name of the gateway's Service;
+    under hostNetwork the control port and every /metrics listen on the pod IP (status.podIP),
+    not on all of the node's interfaces, and no Service carries a metrics port;
+  - secrets: every credential file (--tls-*, --*token-file) of a command or probe is a key of a
+    Secret volume mounted read-only, mode 0440 with fsGroup = the pod's group (Secret files are
+    root-owned) and never world-readable; every Secret volume a container mounts is read by it;
+    a container that does not use a key of a Secret (the ranks and the gateway's private key)
+    only mounts that Secret with `items` that leave it out;
   - pods run as the image's non-root uid and carry prometheus.io/scrape;
   - the ranks' `sh -c` wrapper and exec probes really run under /bin/sh (the binaries stubbed)
     for several pod names: pod moe-rank-<i> runs moe-rank --rank <i>, and its probes read the
-    metrics port it serves.
+    metrics port it serves, on the host the rank binds (MOE_METRICS_HOST).
 
 usage: check_k8s.py [--bin-dir DIR] [--source-dir DIR]
 """
@@ -71,6 +84,11 @@ FIELDS = {
     "volumeMount": {"name", "mountPath", "readOnly", "subPath", "subPathExpr", "mountPropagation"},
     "volume": {"name", "persistentVolumeClaim", "hostPath", "emptyDir", "configMap", "secret", "projected",
                "downwardAPI", "nfs", "csi", "ephemeral"},
+    "secretVolume": {"secretName", "defaultMode", "items", "optional"},
+    "keyToPath": {"key", "path", "mode"},
+    "podSecurityContext": {"runAsNonRoot", "runAsUser", "runAsGroup", "fsGroup", "fsGroupChangePolicy",
+                           "supplementalGroups", "seccompProfile", "seLinuxOptions", "sysctls", "windowsOptions"},
+    "envValueFrom": {"fieldRef", "configMapKeyRef", "secretKeyRef", "resourceFieldRef"},
     "containerPort": {"name", "containerPort", "protocol", "hostPort", "hostIP"},
     "env": {"name", "value", "valueFrom"},
     "Service.spec": {"type", "selector", "ports", "clusterIP", "clusterIPs", "publishNotReadyAddresses",
@@ -161,8 +179,14 @@ class Checker:
                 self.keys(spec["template"].get("metadata"), "metadata", f"{where} template metadata")
                 pod = spec["template"].get("spec") or {}
                 self.keys(pod, "pod.spec", f"{where} pod")
+                if "securityContext" in pod:
+                    self.keys(pod["securityContext"], "podSecurityContext", f"{where} pod securityContext")
                 for v in pod.get("volumes", []):
                     self.keys(v, "volume", f"{where} volume {v.get('name')}")
+                    if "secret" in v:
+                        self.keys(v["secret"], "secretVolume", f"{where} volume {v.get('name')} secret")
+                        for item in v["secret"].get("items", []):
+                            self.keys(item, "keyToPath", f"{where} volume {v.get('name')} secret item")
                 for c in pod.get("containers", []):
                     cw = f"{where} container {c.get('name')}"
                     self.keys(c, "container", cw)
@@ -177,6 +201,8 @@ class Checker:
                         self.keys(p, "containerPort", f"{cw} port")
                     for e in c.get("env", []):
                         self.keys(e, "env", f"{cw} env")
+                        if "valueFrom" in e:
+                            self.keys(e["valueFrom"], "envValueFrom", f"{cw} env {e.get('name')} valueFrom")
             elif kind == "Service":
                 self.keys(spec, "Service.spec", where)
                 for p in spec.get("ports", []):
@@ -313,6 +339,7 @@ class Checker:
                     self.f.add(f"{cw}: runs neither moe-gateway nor moe-rank")
                     continue
                 binary, values = main
+                uses = [(binary, values, "command")]
                 ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
                 if host_network and (spec.get("replicas", 1) > 1 or kind == "StatefulSet"):
                     self.f.check(not c.get("ports"),
@@ -330,12 +357,17 @@ class Checker:
                         continue
                     if "exec" in p:
                         for argv in self.command_lines(p["exec"]["command"], env, f"{cw} {probe}")[0]:
-                            self.parse(argv, f"{cw} {probe}")
+                            pb, _, pv = self.parse(argv, f"{cw} {probe}")
+                            if pb:
+                                uses.append((pb, pv, probe))
                             if os.path.basename(argv[0]) == "moe-rank-probe":
                                 self.check_probe_port(argv, values, script, kind, spec, f"{cw} {probe}")
                     if "grpc" in p:
                         self.f.check(binary == "moe-gateway", f"{cw} {probe}: gRPC probe on {binary}, which "
                                      "serves no gRPC")
+                        self.f.check(not values.get("tls-cert"), f"{cw} {probe}: the kubelet's gRPC probe speaks "
+                                     "plaintext, the gateway serves TLS (--tls-cert): use an exec probe with "
+                                     "moe-client health --tls-ca")
                         port = dc.flag_value(self.bindir, binary, values, "port")
                         self.f.check(str(p["grpc"].get("port")) == str(port),
                                      f"{cw} {probe}: gRPC probe port {p['grpc'].get('port')} but --port {port}")
@@ -356,6 +388,9 @@ class Checker:
                     self.gateway = (where, w, c, values, ports, env)
                 else:
                     self.ranks.append((where, w, c, values, env, fieldrefs, script, host_network))
+                self.containers.append({"where": cw, "binary": binary, "values": values, "uses": uses, "pod": pod,
+                                        "container": c, "volumes": volumes, "fieldrefs": fieldrefs,
+                                        "host_network": host_network, "workload": w})
                 for m in mounts:
                     v = volumes.get(m["name"]) or {}
                     claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
@@ -398,7 +433,9 @@ class Checker:
             log = stubs / "calls"
             for name in dc.BINARIES + dc.SCRIPTS:
                 stub = stubs / name
-                stub.write_text(f'#!/bin/sh\nprintf "%s\\0" "{name}" "$@" >> "{log}"\nprintf "\\n" >> "{log}"\n')
+                # The call's argv, then the environment moe-rank-probe reads (MOE_METRICS_HOST).
+                stub.write_text(f'#!/bin/sh\nprintf "%s\\0" "{name}" "$@" "@MOE_METRICS_HOST=${{MOE_METRICS_HOST-}}" '
+                                f'>> "{log}"\nprintf "\\n" >> "{log}"\n')
                 stub.chmod(0o755)
             run_env = dict(env, PATH=f"{stubs}:/usr/bin:/bin")
             out = subprocess.run(dc.strip_init(argv), env=run_env, capture_output=True, text=True, timeout=30)
@@ -408,7 +445,9 @@ class Checker:
             if log.exists():
                 for line in log.read_text().split("\n"):
                     if line:
-                        calls.append(line.rstrip("\0").split("\0"))
+                        call = line.rstrip("\0").split("\0")
+                        self.stub_env[id(call)] = call.pop()[len("@MOE_METRICS_HOST="):]
+                        calls.append(call)
             return calls
         finally:
             shutil.rmtree(stubs, ignore_errors=True)
@@ -422,9 +461,12 @@ class Checker:
             name = w["metadata"]["name"]
             for ordinal in sorted({0, 1, int(w["spec"].get("replicas", 1)) - 1, 12}):
                 pod_env = dict(env)
+                pod_ip = f"10.0.7.{ordinal + 1}"
                 for var, path in fieldrefs.items():
                     if path == "metadata.name":
                         pod_env[var] = f"{name}-{ordinal}"
+                    elif path == "status.podIP":
+                        pod_env[var] = pod_ip
                 argv = [self.expand_k8s(a, pod_env) for a in (c.get("command", []) + c.get("args", []))]
                 calls = self.run_with_stubs(argv, pod_env, f"{where} pod {name}-{ordinal}")
                 ranks = [call for call in calls if call[0] == "moe-rank"]
@@ -438,6 +480,10 @@ class Checker:
                 self.f.check(got.get("rank") == str(ordinal),
                              f"{where} pod {name}-{ordinal}: runs --rank {got.get('rank')}")
                 port = got.get("metrics-port")
+                metrics_host = dc.flag_value(self.bindir, "moe-rank", got, "metrics-host")
+                if host_network:
+                    self.f.check(metrics_host == pod_ip, f"{where} pod {name}-{ordinal}: --metrics-host "
+                                 f"{metrics_host}, the pod IP is {pod_ip}")
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                     p = c.get(probe) or {}
                     if "exec" not in p:
@@ -448,6 +494,12 @@ class Checker:
                             probed = [a for a in call[1:] if not a.startswith("--")]
                             self.f.check(probed == [port], f"{where} {probe} pod {name}-{ordinal}: probes "
                                          f"{probed}, the rank serves /metrics on {port}")
+                            # moe-rank-probe reads $MOE_METRICS_HOST, else 127.0.0.1 (0.0.0.0: loopback).
+                            probed_host = self.stub_env.get(id(call)) or "127.0.0.1"
+                            want = "127.0.0.1" if metrics_host in ("0.0.0.0", None) else metrics_host
+                            self.f.check(probed_host.replace("0.0.0.0", "127.0.0.1") == want,
+                                         f"{where} {probe} pod {name}-{ordinal}: moe-rank-probe reads "
+                                         f"{probed_host}, the rank serves /metrics on {metrics_host}")
                 self.executed += 1
 
     def check_gateway_and_ranks(self, services):
@@ -456,7 +508,7 @@ class Checker:
         gwhere, gw, gc, gvalues, gports, genv = self.gateway
         if not self.f.check(bool(self.ranks), "no workload runs moe-rank"):
             return
-        gw_port = int(dc.flag_value(self.bindir, "moe-gateway", gvalues, "port"))
+        gw_port = int(dc.flag_value(self.bindir, "moe-gateway", gvalues, "control-port"))
         for where, w, c, values, env, fieldrefs, script, host_network in self.ranks:
             replicas = w["spec"].get("replicas", 1)
             self.f.check(w["kind"] == "StatefulSet", f"{where}: ranks need stable identities: a StatefulSet")
@@ -495,8 +547,8 @@ class Checker:
                         target = sport[0].get("targetPort", port)
                         target = gports.get(target, target) if isinstance(target, str) else target
                         self.f.check(int(target) == gw_port,
-                                     f"{where}: {svc_name}:{port} reaches container port {target}, the gateway "
-                                     f"listens on {gw_port}")
+                                     f"{where}: {svc_name}:{port} reaches container port {target}, the gateway's "
+                                     f"control port is {gw_port} (--control-port)")
             # Headless governing Service.
             governing = services.get(w["spec"].get("serviceName"))
             if self.f.check(governing is not None, f"{where}: serviceName {w['spec'].get('serviceName')} undefined"):
@@ -509,6 +561,162 @@ class Checker:
                 for where, w, *_ in self.ranks:
                     self.f.check(data["MOE_RANKS"] == str(w["spec"].get("replicas", 1)),
                                  f"ConfigMap MOE_RANKS {data['MOE_RANKS']} differs from {where} replicas")
+
+    # ---- trust boundaries ----------------------------------------------------------------------
+
+    def secret_of(self, entry, path):
+        """(Secret name, key, volume mount, volume) a file path of a container reads, or None."""
+        c, volumes = entry["container"], entry["volumes"]
+        for m in sorted(c.get("volumeMounts", []), key=lambda m: -len(m["mountPath"])):
+            base = m["mountPath"].rstrip("/") + "/"
+            if not str(path).startswith(base):
+                continue
+            rel = str(path)[len(base):]
+            secret = (volumes.get(m["name"]) or {}).get("secret")
+            if secret is None:
+                return None
+            items = secret.get("items")
+            if items is None:
+                return (secret.get("secretName"), rel, m, volumes[m["name"]]) if "/" not in rel else None
+            for item in items:
+                if item.get("path") == rel:
+                    return secret.get("secretName"), item.get("key"), m, volumes[m["name"]]
+            return None
+        return None
+
+    @staticmethod
+    def pod_ip_value(value, fieldrefs):
+        """The flag value is the pod IP: $(VAR), $VAR or ${VAR} of an env var from status.podIP."""
+        m = re.fullmatch(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", str(value or ""))
+        return bool(m) and fieldrefs.get(m.group(1) or m.group(2)) == "status.podIP"
+
+    def check_trust(self, services):
+        f = self.f
+        gws = [e for e in self.containers if e["binary"] == "moe-gateway"]
+        if len(gws) != 1:
+            return
+        g = gws[0]
+        gw = dc.gateway_security(self.bindir, g["values"])
+        f.check(gw["tls"], f"{g['where']}: the gateway serves its ports in plaintext (give --tls-cert/--tls-key)")
+        # Credential files: keys of read-only Secret volumes readable by the pod's user only.
+        used_keys = {}   # container where -> {(secret, key)}
+        key_use = {}     # (secret, key) -> {flag}
+        for e in self.containers:
+            used_keys[e["where"]] = set()
+            sc = e["pod"].get("securityContext") or {}
+            for b, v, what in e["uses"]:
+                if b == "moe-client":
+                    for problem in dc.tls_client_problems(gw, v, f"{what} (moe-client)"):
+                        f.add(f"{e['where']}: {problem}")
+                    if gw["tls"]:
+                        name = v.get("tls-server-name") or str(v.get("target", "")).rsplit(":", 1)[0]
+                        self.tls_names.add(name)
+                        svc = name.split(".")[0]
+                        ok = (svc in services and self.selects(services[svc], g["workload"])
+                              and re.fullmatch(rf"{re.escape(svc)}(\.{re.escape(self.namespace)}(\.svc(\.[a-z0-9.-]+)?)?)?",
+                                               name) is not None)
+                        f.check(ok, f"{e['where']} {what}: verifies the gateway's certificate as '{name}', not as a "
+                                "Service of the gateway (give --tls-server-name SERVICE.NAMESPACE.svc)")
+                for flag in dc.CREDENTIAL_FLAGS:
+                    if not v.get(flag):
+                        continue
+                    ref = self.secret_of(e, v[flag])
+                    if not f.check(ref is not None, f"{e['where']} {what}: --{flag} {v[flag]} is not a key of a "
+                                   "mounted Secret volume"):
+                        continue
+                    secret, key, mount, volume = ref
+                    used_keys[e["where"]].add((secret, key))
+                    key_use.setdefault((secret, key), set()).add(flag)
+                    e.setdefault("refs", {})[(what, flag)] = (secret, key)
+            for m in e["container"].get("volumeMounts", []):
+                vol = e["volumes"].get(m["name"]) or {}
+                if "secret" not in vol:
+                    continue
+                vw = f"{e['where']}: Secret volume {m['name']}"
+                f.check(m.get("readOnly") is True, f"{vw} is not mounted readOnly")
+                f.check("subPath" not in m, f"{vw} uses subPath, which never sees a rotated Secret")
+                mode = vol["secret"].get("defaultMode", 0o644)
+                f.check(mode & 0o007 == 0, f"{vw}: defaultMode {mode:04o} lets every user of the node read it")
+                f.check(mode & 0o222 == 0, f"{vw}: defaultMode {mode:04o} is writable")
+                if str(sc.get("runAsUser", "0")) != "0":
+                    groups = {str(sc.get("runAsGroup"))} | {str(x) for x in sc.get("supplementalGroups") or []}
+                    f.check(mode & 0o040 and str(sc.get("fsGroup")) in groups,
+                            f"{vw}: defaultMode {mode:04o}, fsGroup {sc.get('fsGroup')}: Secret files are root-owned "
+                            f"with group fsGroup, so uid {sc.get('runAsUser')} reads them only with mode 0440 and "
+                            "fsGroup = its group")
+                secret = vol["secret"].get("secretName")
+                f.check(any(s == secret for s, _ in used_keys[e["where"]]),
+                        f"{vw} (Secret {secret}) is mounted but nothing of the container reads it")
+                e.setdefault("mounted", []).append(vol["secret"])
+        # Nobody mounts a key another container needs privately (the gateway's private key).
+        for (secret, key), flags in key_use.items():
+            if "tls-key" not in flags:
+                continue
+            for e in self.containers:
+                if (secret, key) in used_keys[e["where"]]:
+                    continue
+                for s in e.get("mounted", []):
+                    if s.get("secretName") == secret:
+                        f.check(s.get("items") is not None and all(i.get("key") != key for i in s["items"]),
+                                f"{e['where']}: mounts Secret {secret} with its private key {key}, which it does "
+                                "not use (mount only the keys it reads: items)")
+        self.secret_keys = key_use
+        # Ranks: the gateway's control port, authenticated with the gateway's token.
+        gref = g.get("refs", {})
+        for e in self.containers:
+            if e["binary"] != "moe-rank":
+                continue
+            for problem in dc.rank_auth_problems(gw, e["values"], "the rank"):
+                f.add(f"{e['where']}: {problem}")
+            if gw["token"] and e["values"].get("cluster-token-file"):
+                f.check(e.get("refs", {}).get(("command", "cluster-token-file")) ==
+                        gref.get(("command", "cluster-token-file")),
+                        f"{e['where']}: its cluster token is {e.get('refs', {}).get(('command', 'cluster-token-file'))}, "
+                        f"the gateway's {gref.get(('command', 'cluster-token-file'))}")
+            address = str(e["values"].get("gateway", ""))
+            self.tls_names.add(e["values"].get("tls-server-name") or address.rsplit(":", 1)[0])
+        # Listening only on the pod network under hostNetwork.
+        for e in self.containers:
+            if not e["host_network"]:
+                continue
+            flags = ["metrics-host"] + (["control-host"] if e["binary"] == "moe-gateway" else [])
+            for flag in flags:
+                v = e["values"].get(flag)
+                if e["binary"] == "moe-gateway" and v is None:  # both default to the gateway's --host
+                    v = e["values"].get("host")
+                if flag == "metrics-host" and dc.flag_value(self.bindir, e["binary"], e["values"], "metrics-port") \
+                        in (None, "-1"):
+                    continue
+                f.check(self.pod_ip_value(v, e["fieldrefs"]),
+                        f"{e['where']}: --{flag} {v}: under hostNetwork that is every interface of the node; bind "
+                        "the pod IP (an env var from fieldRef status.podIP)")
+        # Services: the control port only on the ranks' Service, no metrics ports.
+        control = gw["control_port"]
+        gports = {p.get("name"): p["containerPort"] for p in g["container"].get("ports", [])}
+        rank_services = {str(e["values"].get("gateway", "")).split(".")[0].split(":")[0]
+                         for e in self.containers if e["binary"] == "moe-rank"}
+        metrics = {int(dc.flag_value(self.bindir, "moe-gateway", g["values"], "metrics-port"))}
+        for name, svc in services.items():
+            for p in svc["spec"].get("ports", []):
+                target = p.get("targetPort", p["port"])
+                target = gports.get(target, target) if isinstance(target, str) else target
+                if not self.selects(svc, g["workload"]):
+                    continue
+                if target == control:
+                    f.check(name in rank_services, f"Service {name}: carries the gateway's control port {control}, "
+                            "but the ranks do not use it (keep the control port on the ranks' Service only)")
+                elif name in rank_services:
+                    f.add(f"Service {name}: the ranks' control Service also carries port {p['port']} "
+                          f"(container port {target}); give it only the control port")
+                if target in metrics:
+                    f.add(f"Service {name}: carries the metrics port {target}; Prometheus scrapes the pods on the "
+                          "pod network")
+
+    @staticmethod
+    def selects(svc, workload):
+        sel = svc["spec"].get("selector") or {}
+        labels = workload["spec"]["template"]["metadata"].get("labels") or {}
+        return bool(sel) and all(labels.get(k) == v for k, v in sel.items())
 
     def check_services(self):
         workloads = self.of_kind("Deployment") + self.of_kind("StatefulSet")
@@ -527,15 +735,24 @@ class Checker:
                 ok = any(target in (n, num) for n, num in declared)
                 self.f.check(ok, f"{where}: targetPort {target} is not a declared container port {sorted(declared)}")
 
-    def run(self):
+    def analyze(self):
+        """Every check; failures collect in self.f (check_readme.py reuses the analysis)."""
         self.load()
         self.gateway_checkpoint = None
+        self.containers = []
+        self.stub_env = {}
+        self.tls_names = set()
+        self.secret_keys = {}
         self.check_structure()
         # Gateways first: ranks inherit the gateway's checkpoint path.
         self.check_workloads()
         self.check_services()
+        self.check_trust({d["metadata"]["name"]: d for _, d in self.of_kind("Service")})
         self.executed = 0
         self.execute_rank_wrappers()
+
+    def run(self):
+        self.analyze()
         kinds = sorted({f"{d.get('kind')}" for _, d in self.docs})
         self.f.finish(f"{len(self.docs)} documents ({', '.join(kinds)}); {self.commands_checked} command lines "
                       f"checked against the binaries' --help; rank wrapper and probes run under /bin/sh for "

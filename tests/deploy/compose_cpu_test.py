@@ -6,15 +6,22 @@ merge keys expanded) and runs every service of ours -- entrypoint (the Dockerfil
 service overrides it) + `command`, exactly as written -- with the binaries of the build tree:
 
   - container paths under a volume's mount point map to local directories (named volumes: a
-    temporary directory each; bind mounts: the host path);
-  - each (service, container port) its command listens on (--port, --metrics-port, or their
-    --help defaults) gets a free local port, and `service:port` / `127.0.0.1:port` in arguments
-    and health checks are rewritten to 127.0.0.1:<that port>;
+    temporary directory each; bind mounts: the host path); the secrets come from a fresh
+    scripts/make-certs.sh run into a temporary MOE_SECRETS_DIR, and each service's
+    /run/secrets/<name> maps to its file;
+  - each (service, container port) its command listens on (--port, --control-port,
+    --metrics-port, or their --help defaults) gets a free local port, and `service:port` /
+    `127.0.0.1:port` in arguments and health checks are rewritten to 127.0.0.1:<that port>;
   - services start in depends_on order and each condition is honoured the way compose does it:
     service_completed_successfully waits for the one-shot to exit 0, service_healthy runs the
     dependency's own healthcheck (mapped the same way) until it passes.
 
-Then: the gateway turns SERVING; every rank's healthcheck and the image's HEALTHCHECK pass;
+Then: the gateway turns SERVING; every rank's healthcheck and the image's HEALTHCHECK pass (the
+latter with MOE_HEALTH_TLS_CA when the gateway serves TLS, and fails without it); clients connect
+with the TLS flags of the gateway's own healthcheck; the trust boundaries hold on the running
+system: the public port refuses plaintext, and a rank with the compose file's own command but
+without its cluster token (or with a wrong one) is refused on the control port
+(moe_auth_failures_total{plane="control"} counts it) while the real ranks stay up;
 `moe-client forward` on random inputs equals `moe-forward` on the same checkpoint (bit-identical,
 or relative L2 <= 1e-5); every Prometheus target of the mounted prometheus.yml is a service port
 that serves moe_* metrics; `promtool check config` passes on the mounted config; Grafana's
@@ -102,13 +109,25 @@ class ComposeRun:
         self.external = {}
         self.started = []
         self.healthy = set()
+        self.client_tls = []         # moe-client TLS flags for the gateway (from its healthcheck)
+        self.client_tls_values = {}
         self.env = dict(os.environ)
         self.env["PATH"] = f"{self.bindir}:{self.scripts_dir}:{self.env.get('PATH', '')}"
 
     # ---- planning --------------------------------------------------------------------------------
 
+    def make_secrets(self):
+        """A CA, the gateway's certificate and a cluster token, as the README makes them."""
+        self.secrets_dir = self.work / "secrets"
+        out = subprocess.run(["bash", str(dc.SOURCE_DIR / "scripts" / "make-certs.sh"), str(self.secrets_dir)],
+                             capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            fail(f"scripts/make-certs.sh failed: {out.stdout}{out.stderr}")
+        log(f"secrets: scripts/make-certs.sh {self.secrets_dir}")
+
     def plan(self):
-        config = dc.compose_config(self.compose_file)
+        self.make_secrets()
+        config = dc.compose_config(self.compose_file, {"MOE_SECRETS_DIR": str(self.secrets_dir)})
         self.config = config
         for name, spec in config["services"].items():
             image = str(spec.get("image", ""))
@@ -138,11 +157,18 @@ class ComposeRun:
                 else:
                     local = Path(source)
                 svc.mounts.append((target.rstrip("/"), str(local), read_only))
+            # Secrets: compose bind-mounts each file read-only.
+            for target, host, name in dc.compose_secret_mounts(svc.spec, config):
+                if not host or not Path(host).is_file():
+                    fail(f"service {svc.name}: secret {name} is {host}, not a file of scripts/make-certs.sh")
+                if not Path(host).resolve().is_relative_to(self.secrets_dir.resolve()):
+                    fail(f"service {svc.name}: secret {name} ({host}) is not under MOE_SECRETS_DIR")
+                svc.mounts.append((target, host, True))
             svc.mounts.sort(key=lambda m: -len(m[0]))
 
         # Listening ports and their local replacements.
         for svc in self.services.values():
-            for flag in ("port", "metrics-port"):
+            for flag in ("port", "control-port", "metrics-port"):
                 value = dc.flag_value(self.bindir, svc.binary, svc.values, flag)
                 if value is not None and re.fullmatch(r"[0-9]+", value) and int(value) > 0:
                     svc.listen_ports[int(value)] = free_port()
@@ -199,9 +225,10 @@ class ComposeRun:
 
     def map_arg(self, svc, value, index, argv):
         previous = argv[index - 1] if index > 0 else ""
-        if previous in ("--port", "--metrics-port") and re.fullmatch(r"[0-9]+", value) and int(value) > 0:
+        if previous in ("--port", "--control-port", "--metrics-port") and re.fullmatch(r"[0-9]+", value) \
+                and int(value) > 0:
             return str(svc.listen_ports[int(value)])
-        if previous in ("--host", "--metrics-host") and value == "0.0.0.0":
+        if previous in ("--host", "--control-host", "--metrics-host") and value == "0.0.0.0":
             return LOCAL
         if value.startswith("--") and "=" in value:
             name, _, v = value.partition("=")
@@ -300,6 +327,8 @@ class ComposeRun:
             script = rest[0]
             script = re.sub(r"\b((?:127\.0\.0\.1|localhost|[A-Za-z][A-Za-z0-9_-]*):[0-9]+)\b",
                             lambda m: self.map_address(svc, m.group(1)), script)
+            for target, local, _ in svc.mounts:  # longest first
+                script = re.sub(rf"(?<![\w/.-]){re.escape(target)}(?=$|[/\s'\"|;&)])", lambda m: local, script)
             self.check_shell_commands(svc, dc.commands_in_shell(script))
             return ["/bin/sh", "-c", script]
         fail(f"service {svc.name}: healthcheck test kind {kind}")
@@ -377,9 +406,27 @@ class ComposeRun:
             fail(f"expected one moe-gateway service, found {len(gateways)}")
         return gateways[0]
 
+    def gateway_client_tls(self, gw):
+        """The TLS flags (mapped to this host) of the moe-client in the gateway's own healthcheck:
+        what any client of this gateway needs."""
+        argv = self.healthcheck_argv(gw) or []
+        lines = dc.commands_in_shell(argv[2]) if argv[:2] == ["/bin/sh", "-c"] else [argv]
+        for line in lines:
+            if line and os.path.basename(line[0]) == "moe-client":
+                _, _, values = dc.parse_argv(self.bindir, line)
+                self.client_tls_values = values
+                flags = []
+                for name in ("tls-ca", "tls-cert", "tls-key", "tls-server-name"):
+                    if values.get(name):
+                        flags += [f"--{name}", values[name]]
+                if values.get("tls") == "true":
+                    flags.append("--tls")
+                return flags
+        return []
+
     def client(self, *args):
-        out = subprocess.run([str(self.bindir / "moe-client")] + list(args), capture_output=True, text=True,
-                             env=self.env, timeout=180)
+        out = subprocess.run([str(self.bindir / "moe-client")] + list(args) + self.client_tls, capture_output=True,
+                             text=True, env=self.env, timeout=180)
         if out.returncode != 0:
             fail(f"moe-client {' '.join(args)} exited {out.returncode}: {out.stderr.strip()}")
         return out.stdout
@@ -388,8 +435,9 @@ class ComposeRun:
         gw = self.gateway()
         target = f"{LOCAL}:{gw.listen_ports[int(dc.flag_value(self.bindir, 'moe-gateway', gw.values, 'port'))]}"
         self.target = target
-        out = subprocess.run([str(self.bindir / "moe-client"), "health", "--target", target, "--wait-s", "180"],
-                             capture_output=True, text=True, env=self.env, timeout=240)
+        self.client_tls = self.gateway_client_tls(gw)
+        out = subprocess.run([str(self.bindir / "moe-client"), "health", "--target", target, "--wait-s", "180"]
+                             + self.client_tls, capture_output=True, text=True, env=self.env, timeout=240)
         self.assert_running()
         if out.returncode != 0:
             fail(f"gateway not SERVING: {out.stderr.strip()}\n{self.tail(gw)}")
@@ -410,10 +458,20 @@ class ComposeRun:
         command = re.sub(r"^(--[a-z-]+=\S+\s+)*CMD\s+", "", hc[-1])
         env = dict(self.env)
         env["MOE_PORT"] = target.split(":")[1]
-        rc, text = self.run_check(["/bin/sh", "-c", command], env=env)
+        tls = self.client_tls_values
+        health_env = {"MOE_HEALTH_TLS_CA": tls.get("tls-ca"), "MOE_HEALTH_TLS_CERT": tls.get("tls-cert"),
+                      "MOE_HEALTH_TLS_KEY": tls.get("tls-key")}
+        health_env = {k: v for k, v in health_env.items() if v}
+        rc, text = self.run_check(["/bin/sh", "-c", command], env=dict(env, **health_env))
         if rc != 0:
-            fail(f"the image HEALTHCHECK '{command}' fails on a SERVING gateway: {text}")
-        log(f"image HEALTHCHECK passes: {command}")
+            fail(f"the image HEALTHCHECK '{command}' fails on a SERVING gateway with {health_env}: {text}")
+        log(f"image HEALTHCHECK passes: {command} (with {', '.join(health_env) or 'no TLS variables'})")
+        if health_env:
+            rc, text = self.run_check(["/bin/sh", "-c", command], env=env)
+            if rc == 0:
+                fail(f"the image HEALTHCHECK passes without {', '.join(health_env)}: the gateway's public port "
+                     "answers plaintext")
+            log(f"image HEALTHCHECK without {', '.join(health_env)} fails (public port refuses plaintext)")
 
     def check_forward(self):
         info = json.loads(self.client("info", "--target", self.target, "--json"))
@@ -446,6 +504,60 @@ class ComposeRun:
             log(f"forward layer {layer}, {tokens} tokens: {'bit-identical' if identical else f'rel L2 {rel:.2e}'}"
                 " to moe-forward")
         self.forward_layers = {c[0] for c in cases}
+
+    def control_refusals(self):
+        gw = self.gateway()
+        text = self.scrape(f"{LOCAL}:{gw.listen_ports[int(gw.values['metrics-port'])]}")
+        return sum(v for l, v in self.samples(text, "moe_auth_failures_total") if l.get("plane") == "control")
+
+    def check_trust_boundaries(self):
+        """On the running system: the public port refuses plaintext, and the control port refuses a
+        rank that runs the file's own rank command without its cluster token or with a wrong one."""
+        out = subprocess.run([str(self.bindir / "moe-client"), "health", "--target", self.target], capture_output=True,
+                             text=True, env=self.env, timeout=30)
+        gw = self.gateway()
+        if gw.values.get("tls-cert") and out.returncode == 0:
+            fail(f"the gateway has --tls-cert, yet {self.target} answers a plaintext health check")
+        ranks = [s for s in self.services.values() if s.binary == "moe-rank"]
+        rank = ranks[0]
+        wrong = self.work / "wrong-cluster-token"
+        wrong.write_text("not-the-cluster-token\n")
+        cases = [("no cluster token", None)]
+        if "cluster-token-file" in rank.values:
+            cases.append(("a wrong cluster token", str(wrong)))
+        for what, token in cases:
+            argv, skip = [], 0
+            for i, a in enumerate(rank.local_argv):
+                if skip:
+                    skip -= 1
+                    continue
+                name = a[2:].partition("=")[0] if a.startswith("--") else None
+                if name in ("cluster-token-file", "metrics-port", "exit-on-disconnect", "connect-timeout-s"):
+                    skip = 0 if "=" in a or name == "exit-on-disconnect" else 1
+                    if name == "cluster-token-file" and token:
+                        argv += ["--cluster-token-file", token]
+                    continue
+                argv.append(a)
+            argv += ["--connect-timeout-s", "5", "--exit-on-disconnect"]
+            before = self.control_refusals()
+            try:
+                out = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=120)
+            except subprocess.TimeoutExpired:
+                fail(f"a rank with {what} kept running for 120 s: {' '.join(argv)}")
+            after = self.control_refusals()
+            self.assert_running()
+            if out.returncode == 0 or after <= before:
+                fail(f"a rank with {what} was not refused (exit {out.returncode}, control-plane refusals "
+                     f"{before:.0f} -> {after:.0f}): {' '.join(argv)}\n{out.stderr[-1500:]}")
+            log(f"a rank with {what} is refused on the control port (exit {out.returncode}, "
+                f"moe_auth_failures_total{{plane=\"control\"}} {before:.0f} -> {after:.0f})")
+        # The real ranks are still the gateway's (SERVING: all of them up; a loaded host may have
+        # made one miss heartbeats for a moment, so allow it to come back).
+        self.client("health", "--target", self.target, "--wait-s", "60")
+        text = self.scrape(f"{LOCAL}:{gw.listen_ports[int(gw.values['metrics-port'])]}")
+        up = {l["rank"]: v for l, v in self.samples(text, "moe_rank_up")}
+        if len(up) != len(ranks) or any(v != 1 for v in up.values()):
+            fail(f"after the refused ranks, moe_rank_up is {up}")
 
     def scrape(self, address):
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
@@ -610,6 +722,7 @@ def main():
         run.check_ready()
         run.check_forward()
         run.check_metrics_and_prometheus()
+        run.check_trust_boundaries()
         run.check_grafana()
         run.stop(strict=True)
         ok = True

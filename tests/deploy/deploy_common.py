@@ -243,7 +243,8 @@ def _command_substitutions(script):
 def commands_in_shell(script):
     """Command lines of project binaries and scripts inside a shell snippet (sh -c "..."),
     including those in $(...) substitutions: splits on newlines, pipes, && / || and ;, drops
-    `exec` and leading VAR=value words."""
+    `exec` and leading VAR=value words; backslash-newline continues a line."""
+    script = re.sub(r"\\\n", " ", script)
     script, inner = _command_substitutions(script)
     found = []
     for sub in inner:
@@ -342,6 +343,87 @@ def parse_volume(entry, compose_dir):
     if kind == "bind" and not os.path.isabs(source):
         source = os.path.normpath(os.path.join(compose_dir, source))
     return source, target, read_only, kind
+
+
+def parse_port_binding(entry):
+    """(host address or None = every interface, published, target) of a compose port entry."""
+    if isinstance(entry, dict):
+        published = entry.get("published")
+        return (entry.get("host_ip") or None, str(published) if published is not None else None,
+                int(entry["target"]))
+    text = str(entry).split("/")[0]
+    parts = text.rsplit(":", 2)
+    if len(parts) == 3:
+        return parts[0].strip("[]") or None, parts[1], int(parts[2])
+    if len(parts) == 2:
+        return None, parts[0], int(parts[1])
+    return None, None, int(parts[0])
+
+
+def compose_secret_mounts(spec, config):
+    """[(container path, host file, secret name)] of a compose service's `secrets:` (short or
+    long syntax; a relative target is under /run/secrets). Compose mounts them read-only."""
+    out = []
+    for entry in spec.get("secrets") or []:
+        if isinstance(entry, str):
+            source, target = entry, None
+        else:
+            source, target = entry["source"], entry.get("target")
+        target = target or source
+        path = target if target.startswith("/") else f"/run/secrets/{target}"
+        secret = (config.get("secrets") or {}).get(source)
+        if secret is None:
+            raise CheckFailed(f"secret {source} is not defined in the file's top-level `secrets:`")
+        out.append((path, secret.get("file"), source))
+    return out
+
+
+# ---- trust boundaries ---------------------------------------------------------------------------
+
+# Flags that name a credential file (a certificate, key, CA or token).
+CREDENTIAL_FLAGS = ("tls-cert", "tls-key", "tls-ca", "cluster-token-file", "api-token-file",
+                    "admin-token-file", "token-file")
+
+
+def gateway_security(bindir, values):
+    """What a moe-gateway command line enforces: {tls, mtls, token, insecure, port, control_port}."""
+    return {
+        "tls": bool(values.get("tls-cert")),
+        "mtls": bool(values.get("tls-ca")),
+        "token": values.get("cluster-token-file") or None,
+        "insecure": values.get("insecure-cluster", "false") == "true",
+        "port": int(flag_value(bindir, "moe-gateway", values, "port")),
+        "control_port": int(flag_value(bindir, "moe-gateway", values, "control-port")),
+    }
+
+
+def tls_client_problems(gw, values, what):
+    """Problems of a client (moe-rank, moe-client) talking to a gateway with `gw`'s security."""
+    problems = []
+    uses_tls = any(values.get(f) for f in ("tls-ca", "tls-cert", "tls-key")) or values.get("tls") == "true"
+    if gw["tls"] and not uses_tls:
+        problems.append(f"{what} connects in plaintext to a TLS gateway (give --tls-ca)")
+    if gw["tls"] and not values.get("tls-ca") and values.get("tls") != "true":
+        problems.append(f"{what} does not say which CA to trust (--tls-ca)")
+    if not gw["tls"] and uses_tls:
+        problems.append(f"{what} speaks TLS to a plaintext gateway")
+    if gw["mtls"] and not (values.get("tls-cert") and values.get("tls-key")):
+        problems.append(f"{what} presents no client certificate to an mTLS gateway (--tls-cert/--tls-key)")
+    return problems
+
+
+def rank_auth_problems(gw, values, what):
+    """Problems of a rank registering with a gateway of `gw`'s security (credentials only; that
+    the files are the same is for the caller to check)."""
+    problems = []
+    if gw["insecure"]:
+        problems.append("the gateway runs --insecure-cluster: anything that reaches the control port can "
+                        "register as a rank")
+    if not gw["token"] and not gw["mtls"]:
+        problems.append("the gateway authenticates no rank (neither --cluster-token-file nor --tls-ca)")
+    if gw["token"] and not values.get("cluster-token-file"):
+        problems.append(f"{what} presents no cluster token (--cluster-token-file), the gateway requires one")
+    return problems + tls_client_problems(gw, values, what)
 
 
 def parse_port(entry):
