@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <fstream>
 #include <random>
 #include <string>
 
@@ -48,6 +49,15 @@ grpc::Status Forward(moe::v1::MoeService::Stub& stub, int layer, int64_t tokens,
 
 using testing::Shell;
 
+// VmRSS of a process, in bytes (0 when unreadable).
+int64_t ResidentBytes(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "N kB"
+  return 0;
+}
+
 TEST(BoundaryTest, TheMessageLimitFollowsTheModelNotOneGibibyte) {
   // 64 tokens of k3-mini: 160 KiB requests; 64-token steps: small rank results. The limit is
   // then about 1.2 MiB: a 2.6 MB request is refused by gRPC before the gateway allocates it.
@@ -63,6 +73,16 @@ TEST(BoundaryTest, TheMessageLimitFollowsTheModelNotOneGibibyte) {
   // Refused by gRPC on arrival, not by request validation after the gateway took it in.
   EXPECT_NE(big.error_message().find("larger than max"), std::string::npos) << big.error_message();
   EXPECT_TRUE(Forward(*stub, 1, 3).ok()) << "the gateway serves on";
+
+  // A 42 MB request (16384 tokens): refused before the gateway decodes it; its resident size
+  // grows by less than twice the request (it was +2.6 GB for a 1 GB request).
+  const int64_t before = ResidentBytes(cluster.gateway().pid());
+  const grpc::Status huge = Forward(*stub, 1, 16384);
+  EXPECT_EQ(huge.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << huge.error_message();
+  const int64_t after = ResidentBytes(cluster.gateway().pid());
+  ASSERT_GT(before, 0);
+  // (gRPC may buffer what HTTP/2 flow control let in before it reads the length: ~22 MB here.)
+  EXPECT_LT(after - before, 2 * int64_t{16384} * 640 * 4) << before << " -> " << after;
 }
 
 TEST(BoundaryTest, MaxRequestBytesLowersThePublicLimitOnly) {
