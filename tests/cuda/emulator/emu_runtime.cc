@@ -263,15 +263,16 @@ void DeleteStream(Stream* s) {
 // Waits for the streams of the calling thread's device only: members of one NCCL
 // communicator on different emulated devices of one process (the transport conformance
 // suite) must not wait for each other's blocked receives, as separate GPUs would not.
-void DeviceSynchronize() {
+void SynchronizeDevice(int which) {
   std::vector<Stream*> all;
   {
     std::lock_guard<std::mutex> lock(g_streams_mu);
     for (const auto& [stream, device] : g_streams)
-      if (device == g_device) all.push_back(stream);
+      if (device == which) all.push_back(stream);
   }
   for (Stream* s : all) s->Wait();
 }
+void DeviceSynchronize() { SynchronizeDevice(g_device); }
 // Runs `fn` on `stream` in order (the null stream: now, on the caller's thread).
 void OnStream(void* stream, std::function<void()> fn) {
   if (stream == nullptr) {
@@ -309,7 +310,7 @@ extern "C" void emu_fiber_entry() {
 
 // ---- the runtime: emulated sm_90 devices -----------------------------------------------------
 // One device, or MOE_EMU_DEVICES (1..8) of them: they share the process's memory and differ
-// only in which streams cudaDeviceSynchronize (and so cudaFree) waits for.
+// only in which streams a device synchronization waits for (cudaFree: the allocating device).
 using emu::OnStream;
 
 namespace {
@@ -345,7 +346,12 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
 // writing past the end of an allocation (by more than its 256-byte alignment slack) faults.
 namespace {
 std::mutex g_alloc_mu;
-std::map<void*, std::pair<void*, size_t>> g_allocations;  // pointer -> (mapping, length)
+struct Allocation {
+  void* mapping;
+  size_t length;
+  int device;  // current when allocated: freeing waits for that device's work
+};
+std::map<void*, Allocation> g_allocations;
 }  // namespace
 
 cudaError_t cudaMalloc(void** p, size_t n) {
@@ -360,17 +366,24 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   *p = guard - rounded;
   std::memset(*p, 0xcd, rounded);  // device memory is not zeroed
   std::lock_guard<std::mutex> lock(g_alloc_mu);
-  g_allocations[*p] = {base, data_pages + page};
+  g_allocations[*p] = {base, data_pages + page, emu::g_device};
   return cudaSuccess;
 }
-// As on a GPU, freeing waits for the device's queued work.
+// As on a GPU, freeing waits for the queued work of the device that owns the memory.
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
-  emu::DeviceSynchronize();
+  int device;
+  {
+    std::lock_guard<std::mutex> lock(g_alloc_mu);
+    auto it = g_allocations.find(p);
+    if (it == g_allocations.end()) return cudaErrorInvalidValue;
+    device = it->second.device;
+  }
+  emu::SynchronizeDevice(device);
   std::lock_guard<std::mutex> lock(g_alloc_mu);
   auto it = g_allocations.find(p);
   if (it == g_allocations.end()) return cudaErrorInvalidValue;
-  munmap(it->second.first, it->second.second);
+  munmap(it->second.mapping, it->second.length);
   g_allocations.erase(it);
   return cudaSuccess;
 }
@@ -423,13 +436,19 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
   return s == nullptr || reinterpret_cast<emu::Stream*>(s)->Idle() ? cudaSuccess
                                                                    : cudaErrorNotReady;
 }
+// An event handle owns one reference; queued work that records or waits on the event holds
+// another, so destroying an event with work pending is safe (as CUDA promises) without waiting.
+namespace {
+using EventRef = std::shared_ptr<emu::Event>;
+EventRef EventOf(cudaEvent_t e) { return *reinterpret_cast<EventRef*>(e); }
+}  // namespace
 cudaError_t cudaEventCreate(cudaEvent_t* e) {
-  *e = reinterpret_cast<cudaEvent_t>(new emu::Event());
+  *e = reinterpret_cast<cudaEvent_t>(new EventRef(std::make_shared<emu::Event>()));
   return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-  auto* ev = reinterpret_cast<emu::Event*>(e);
+  EventRef ev = EventOf(e);
   uint64_t target;
   {
     std::lock_guard<std::mutex> lock(ev->mu);
@@ -444,14 +463,14 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-  auto* ev = reinterpret_cast<emu::Event*>(e);
+  EventRef ev = EventOf(e);
   std::unique_lock<std::mutex> lock(ev->mu);
   const uint64_t target = ev->recorded;
   ev->cv.wait(lock, [&] { return ev->completed >= target; });
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
-  auto* ev = reinterpret_cast<emu::Event*>(e);
+  EventRef ev = EventOf(e);
   uint64_t target;
   {
     std::lock_guard<std::mutex> lock(ev->mu);
@@ -464,13 +483,11 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  emu::DeviceSynchronize();
-  delete reinterpret_cast<emu::Event*>(e);
+  delete reinterpret_cast<EventRef*>(e);
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t stop) {
-  auto* a = reinterpret_cast<emu::Event*>(start);
-  auto* b = reinterpret_cast<emu::Event*>(stop);
+  EventRef a = EventOf(start), b = EventOf(stop);
   std::lock_guard<std::mutex> la(a->mu);
   std::lock_guard<std::mutex> lb(b->mu);
   if (a->completed == 0 || b->completed == 0) return cudaErrorNotReady;

@@ -77,7 +77,8 @@ class Stream {
 };
 Stream* NewStream();
 void DeleteStream(Stream* s);
-void DeviceSynchronize();
+void DeviceSynchronize();            // the calling thread's current device
+void SynchronizeDevice(int device);  // one device's streams
 void OnStream(void* stream, std::function<void()> fn);
 
 void LaunchNamed(const char* name, void* stream, dim3 grid, dim3 block, size_t smem,
