@@ -198,14 +198,14 @@ absl::Status Gateway::Start() {
   return absl::OkStatus();
 }
 
-absl::Status Gateway::TryBeginRequest() {
+absl::StatusOr<Gateway::RequestSlot> Gateway::TryBeginRequest() {
   std::lock_guard<std::mutex> lock(in_flight_mu_);
   if (in_flight_ >= options_.max_concurrent_requests)
     return absl::ResourceExhaustedError(absl::StrCat(in_flight_,
                                                      " requests in flight, the gateway's limit "
                                                      "(--max-concurrent-requests); retry later"));
   ++in_flight_;
-  return absl::OkStatus();
+  return RequestSlot(this);
 }
 
 void Gateway::EndRequest() {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -100,11 +101,30 @@ class Gateway {
   void Wait();
 
   bool draining() const { return draining_.load(); }
-  // Requests accepted and not yet answered (a ForwardStream counts each of its requests).
-  // The services bracket each request with these; TryBeginRequest refuses (RESOURCE_EXHAUSTED)
-  // past max_concurrent_requests.
-  absl::Status TryBeginRequest();
-  void EndRequest();
+  // A request accepted and not yet answered (a ForwardStream counts each of its requests):
+  // counted from TryBeginRequest until its slot is released or destroyed, so no path through
+  // a service can forget to end it. Drain waits for the count to reach zero.
+  class RequestSlot {
+   public:
+    RequestSlot() = default;
+    RequestSlot(RequestSlot&& other) noexcept : gateway_(std::exchange(other.gateway_, nullptr)) {}
+    RequestSlot& operator=(RequestSlot&& other) noexcept {
+      Release();
+      gateway_ = std::exchange(other.gateway_, nullptr);
+      return *this;
+    }
+    ~RequestSlot() { Release(); }
+    void Release() {
+      if (gateway_ != nullptr) std::exchange(gateway_, nullptr)->EndRequest();
+    }
+
+   private:
+    friend class Gateway;
+    explicit RequestSlot(Gateway* gateway) : gateway_(gateway) {}
+    Gateway* gateway_ = nullptr;
+  };
+  // RESOURCE_EXHAUSTED past max_concurrent_requests.
+  absl::StatusOr<RequestSlot> TryBeginRequest();
 
   int port() const { return port_; }
   int control_port() const { return control_port_; }
@@ -133,6 +153,7 @@ class Gateway {
  private:
   explicit Gateway(const GatewayOptions& options);
   void OnRankState(int rank, bool up);
+  void EndRequest();  // by RequestSlot
 
   GatewayOptions options_;
   std::unique_ptr<Checkpoint> checkpoint_;

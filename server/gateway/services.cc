@@ -83,13 +83,9 @@ grpc::Status MoeServiceImpl::Forward(grpc::ServerContext* context, const Forward
   const absl::Time start = absl::Now();
   absl::Duration queue;
   // Counted before MakeCall checks draining(): Drain either sees this request or it sees drain.
-  grpc::Status status;
-  if (absl::Status admitted = gateway_->TryBeginRequest(); !admitted.ok()) {
-    status = ToGrpcStatus(admitted);
-  } else {
-    status = ForwardOnce(context, request, response, &queue);
-    gateway_->EndRequest();
-  }
+  absl::StatusOr<Gateway::RequestSlot> slot = gateway_->TryBeginRequest();
+  const grpc::Status status =
+      slot.ok() ? ForwardOnce(context, request, response, &queue) : ToGrpcStatus(slot.status());
   gateway_->metrics().OnRequest(request->layer(), status.error_code(), absl::Now() - start, queue);
   return status;
 }
@@ -138,11 +134,13 @@ grpc::Status MoeServiceImpl::ForwardStream(
     outbox.WaitBelow(kMaxQueuedStreamResponses);
     if (!stream->Read(&request)) break;
     auto validated = std::make_shared<ValidatedRequest>();
-    // Ended in on_done, or below when the request never runs.
-    if (absl::Status admitted = gateway_->TryBeginRequest(); !admitted.ok()) {
-      outbox.Push(error_response(request, admitted));
+    // Released in on_done, or when it goes out of scope here because the request never runs.
+    absl::StatusOr<Gateway::RequestSlot> admitted = gateway_->TryBeginRequest();
+    if (!admitted.ok()) {
+      outbox.Push(error_response(request, admitted.status()));
       continue;
     }
+    auto slot = std::make_shared<Gateway::RequestSlot>(std::move(*admitted));
     auto call = MakeCall(*gateway_, request, DeadlineOf(*context), validated.get());
     const int64_t reserved =
         call.ok() ? ResponseBytes(*validated, request, gateway_->engine().config().routing.top_k)
@@ -155,14 +153,13 @@ grpc::Status MoeServiceImpl::ForwardStream(
       }
     }
     if (!call.ok()) {
-      gateway_->EndRequest();
       outbox.Push(error_response(request, call.status()));
       continue;
     }
     auto owned_request = std::make_shared<ForwardRequest>();
     owned_request->set_request_id(request.request_id());
     owned_request->set_return_routing(request.return_routing());
-    (*call)->on_done = [&, validated, owned_request, reserved,
+    (*call)->on_done = [&, validated, owned_request, reserved, slot,
                         start = absl::Now()](ForwardCall& done) {
       gateway_->metrics().OnRequest(done.layer, static_cast<int>(done.status.code()),
                                     absl::Now() - start, done.queue_time);
@@ -173,7 +170,7 @@ grpc::Status MoeServiceImpl::ForwardStream(
       } else {
         outbox.Push(error_response(*owned_request, done.status), reserved);
       }
-      gateway_->EndRequest();
+      slot->Release();
       std::lock_guard<std::mutex> lock(mu);
       --outstanding;
       cv.notify_all();
@@ -187,7 +184,7 @@ grpc::Status MoeServiceImpl::ForwardStream(
         std::lock_guard<std::mutex> lock(mu);
         --outstanding;
       }
-      gateway_->EndRequest();
+      slot->Release();  // on_done, which holds it too, will not run
       outbox.Push(error_response(request, s), reserved);
       continue;
     }
