@@ -9,6 +9,10 @@
 
 namespace moe {
 
+static_assert(moe::v1::internal::PRECISION_BF16 == WirePrecision(Precision::kBF16) &&
+                  moe::v1::internal::PRECISION_FP32 == WirePrecision(Precision::kFP32),
+              "one precision encoding on every wire");
+
 using moe::v1::internal::GatewayToRank;
 using moe::v1::internal::RankToGateway;
 using moe::v1::internal::StepResult;
@@ -185,7 +189,8 @@ absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
     step->set_layer(dispatch.layer);
     step->set_num_rows(static_cast<int32_t>(part.rows.rows));
     step->set_width(static_cast<int32_t>(part.rows.cols));
-    step->set_bf16(dispatch.precision == Precision::kBF16);
+    step->set_precision(
+        static_cast<moe::v1::internal::Precision>(WirePrecision(dispatch.precision)));
     ConstMatrixView host_rows = part.rows;
     std::unique_lock<std::mutex> staging_lock(staging_mu_);
     if (backend_->space() == MemorySpace::kDevice) {
@@ -376,7 +381,7 @@ absl::StatusOr<ReceivedStep> GrpcRankTransport::Receive() {
   out.wire_bytes = static_cast<int64_t>(message.ByteSizeLong());
   out.step_id = step.step_id();
   out.layer = step.layer();
-  out.precision = step.bf16() ? Precision::kBF16 : Precision::kFP32;
+  ASSIGN_OR_RETURN(out.precision, PrecisionFromWire(step.precision()));
   const int64_t rows = step.num_rows(), width = step.width();
   if (rows < 0 || width <= 0) return absl::InvalidArgumentError("bad step shape");
   host_rows_.resize(rows * width);

@@ -30,7 +30,7 @@ struct StepHeader {
   uint32_t kind;  // kKindStep | kKindShutdown
   uint64_t step_id;
   int32_t layer;
-  int32_t precision;  // 0 bf16, 1 fp32
+  int32_t precision;  // WirePrecision (transport/transport.h): 1 bf16, 2 fp32
   int64_t num_rows;   // 0: nothing follows for this rank this step
   int64_t width;
   int64_t num_assignments;
@@ -477,7 +477,7 @@ absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
     base.kind = kKindStep;
     base.step_id = dispatch.step_id;
     base.layer = dispatch.layer;
-    base.precision = bf16 ? 0 : 1;
+    base.precision = WirePrecision(dispatch.precision);
     base.width = width < 0 ? 0 : width;
     RETURN_IF_ERROR(st.SendHeaders(base, rows, assignments));
     // Phase 2: meta and rows to the ranks that get rows.
@@ -735,14 +735,15 @@ absl::StatusOr<ReceivedStep> NcclRankTransport::Receive() {
         return absl::CancelledError("the gateway closed the exchange");
       }
       if (h.num_rows == 0) continue;  // no rows for this rank in this step
-      if (h.num_rows < 0 || h.width <= 0 || h.num_assignments < 0 || h.precision < 0 ||
-          h.precision > 1 || h.num_rows > (int64_t{1} << 31) || h.width > (int64_t{1} << 24)) {
+      const absl::StatusOr<Precision> precision = PrecisionFromWire(h.precision);
+      if (h.num_rows < 0 || h.width <= 0 || h.num_assignments < 0 || !precision.ok() ||
+          h.num_rows > (int64_t{1} << 31) || h.width > (int64_t{1} << 24)) {
         st.comm.Abort("malformed step header");
         return absl::UnavailableError("NCCL rank: malformed step header sizes");
       }
       // Phase 2: meta and rows.
       const int64_t n = h.num_rows, width = h.width, A = h.num_assignments;
-      const bool bf16 = h.precision == 0;
+      const bool bf16 = *precision == Precision::kBF16;
       const size_t meta_bytes = MetaBytes(n, A);
       const size_t row_bytes = static_cast<size_t>(n * width) * (bf16 ? 2 : 4);
       RETURN_IF_ERROR(st.meta.Ensure(meta_bytes));

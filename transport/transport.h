@@ -42,6 +42,15 @@
 
 namespace moe {
 
+// Precision on every wire (moe.v1.internal.Precision, whose values these are: checked where
+// the generated code is visible, transport/grpc_transport.cc). 0 is "unspecified": refused.
+constexpr int32_t WirePrecision(Precision p) { return p == Precision::kBF16 ? 1 : 2; }
+inline absl::StatusOr<Precision> PrecisionFromWire(int32_t value) {
+  if (value == 1) return Precision::kBF16;
+  if (value == 2) return Precision::kFP32;
+  return absl::InvalidArgumentError(absl::StrCat("unknown step precision ", value));
+}
+
 // What one rank gets in a step. `rows` lives in the gateway backend's memory.
 struct RankPart {
   int rank = 0;

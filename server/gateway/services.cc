@@ -297,7 +297,8 @@ grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
     shard->set_layer(layer);
     for (int e : placement.rank_experts[*rank]) shard->add_experts(e);
   }
-  response->set_precision(gateway_->engine().precision() == Precision::kBF16 ? "bf16" : "fp32");
+  response->set_precision(
+      static_cast<moe::v1::internal::Precision>(WirePrecision(gateway_->engine().precision())));
   response->set_transport(gateway_->options().transport);
   if (gateway_->options().transport == "nccl") {
     response->set_nccl_unique_id(gateway_->nccl_unique_id());

@@ -43,7 +43,7 @@ void PrefaultWeights(const ExpertShardWeights& weights) {
 }
 
 std::string ShardKey(const std::string& checkpoint, const moe::v1::internal::RegisterResponse& r) {
-  std::string key = absl::StrCat(checkpoint, "|", r.precision());
+  std::string key = absl::StrCat(checkpoint, "|", moe::v1::internal::Precision_Name(r.precision()));
   for (const auto& shard : r.shards())
     absl::StrAppend(&key, "|", shard.layer(), ":", absl::StrJoin(shard.experts(), ","));
   return key;
