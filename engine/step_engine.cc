@@ -111,56 +111,87 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   ASSIGN_OR_RETURN(MatrixView expert_input, ws.Matrix(kExpertInput, tokens, D));
   RETURN_IF_ERROR(
       state.math->Route(input, precision, &routing, expert_input, want_scores ? &scores : nullptr));
-  ASSIGN_OR_RETURN(DispatchPlan plan, DispatchPlan::Build(routing, placement_));
   const absl::Time t_routed = absl::Now();
 
-  // Dispatch: each rank gets the rows of the tokens that chose one of its experts, once.
-  StepDispatch dispatch;
-  dispatch.step_id = stats.step_id;
-  dispatch.layer = layer;
-  dispatch.precision = precision;
-  stats.rank_rows.assign(R, 0);
+  // Dispatch to live ranks: each gets the rows of the tokens that chose one of its experts,
+  // once. A step that fails because a rank that got rows went down meanwhile is sent again,
+  // to live replicas of the same experts, until its deadline; the result is the same bits
+  // whichever replica computes an expert (fp64 combine).
+  std::vector<bool> live(R);
+  for (int r = 0; r < R; ++r) live[r] = transport_->RankUp(r);
+  ASSIGN_OR_RETURN(MatrixView shared, ws.Matrix(kShared, tokens, H));
+  ASSIGN_OR_RETURN(PartialView combined, ws.Partial(kCombined, tokens, D));
   stats.rank_active_experts.assign(R, 0);
   stats.rank_bytes_sent.assign(R, 0);
   stats.rank_bytes_received.assign(R, 0);
-  for (int r = 0; r < R; ++r) {
-    const RankDispatch& rd = plan.ranks[r];
-    const int64_t m = static_cast<int64_t>(rd.token_rows.size());
-    stats.rank_rows[r] = m;
-    if (m == 0) continue;
-    ASSIGN_OR_RETURN(MatrixView rows, ws.Matrix(kRankRows + r, m, D));
-    RETURN_IF_ERROR(backend_->GatherRows(expert_input, rd.token_rows, rows));
-    dispatch.parts.push_back({r, rows, &rd.assignments});
-  }
-  absl::Status status = transport_->Send(dispatch);
-  const absl::Time t_sent = absl::Now();
-
-  // The shared experts run while the ranks compute.
-  ASSIGN_OR_RETURN(MatrixView shared, ws.Matrix(kShared, tokens, H));
-  ASSIGN_OR_RETURN(PartialView combined, ws.Partial(kCombined, tokens, D));
-  const absl::Time t_shared_start = absl::Now();
-  if (status.ok()) status = state.math->SharedExperts(input, precision, shared);
-  stats.shared = absl::Now() - t_shared_start;
-  if (status.ok()) status = backend_->Zero(combined);
-  absl::Time t_collected = absl::Now();
+  DispatchPlan plan;
+  StepDispatch dispatch;
+  absl::Status status;
+  bool shared_done = false;
   int bad_rank = -1;  // the first rank whose partial sums were not finite (host backends)
-  if (status.ok()) {
-    status = transport_->Collect(
-        dispatch, deadline,
-        [&](size_t part, ConstPartialView partial, const RankStepStats& rank_stats) {
-          const int rank = dispatch.parts[part].rank;
-          stats.rank_active_experts[rank] = rank_stats.active_experts;
-          stats.rank_bytes_sent[rank] = rank_stats.bytes_sent;
-          stats.rank_bytes_received[rank] = rank_stats.bytes_received;
-          if (bad_rank < 0 && backend_->space() == MemorySpace::kHost)
-            for (int64_t row = 0; row < partial.rows && bad_rank < 0; ++row)
-              if (FirstNonFinite(partial.Row(row), partial.cols) >= 0) bad_rank = rank;
-          return backend_->ScatterAddRows(partial, plan.ranks[rank].token_rows, combined);
-        });
+  absl::Time t_sent = t_routed, t_collected = t_routed;
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<DispatchPlan> built = DispatchPlan::Build(routing, placement_, &live);
+    if (!built.ok()) {
+      // After a failed attempt, say both what failed and why the step cannot go elsewhere.
+      status = attempt == 0 ? built.status()
+                            : absl::UnavailableError(
+                                  absl::StrCat(status.message(), "; ", built.status().message()));
+      break;
+    }
+    plan = std::move(*built);
+    dispatch = StepDispatch();
+    dispatch.step_id = attempt == 0 ? stats.step_id : next_step_id_.fetch_add(1);
+    dispatch.layer = layer;
+    dispatch.precision = precision;
+    stats.rank_rows.assign(R, 0);
+    for (int r = 0; r < R; ++r) {
+      const RankDispatch& rd = plan.ranks[r];
+      const int64_t m = static_cast<int64_t>(rd.token_rows.size());
+      stats.rank_rows[r] = m;
+      if (m == 0) continue;
+      ASSIGN_OR_RETURN(MatrixView rows, ws.Matrix(kRankRows + r, m, D));
+      RETURN_IF_ERROR(backend_->GatherRows(expert_input, rd.token_rows, rows));
+      dispatch.parts.push_back({r, rows, &rd.assignments});
+    }
+    status = transport_->Send(dispatch);
+    t_sent = absl::Now();
+    if (!shared_done) {  // the shared experts run while the ranks compute, once
+      const absl::Time t_shared_start = absl::Now();
+      RETURN_IF_ERROR(state.math->SharedExperts(input, precision, shared));
+      stats.shared = absl::Now() - t_shared_start;
+      shared_done = true;
+    }
+    if (status.ok()) status = backend_->Zero(combined);
+    bad_rank = -1;
+    if (status.ok()) {
+      status = transport_->Collect(
+          dispatch, deadline,
+          [&](size_t part, ConstPartialView partial, const RankStepStats& rank_stats) {
+            const int rank = dispatch.parts[part].rank;
+            stats.rank_active_experts[rank] = rank_stats.active_experts;
+            stats.rank_bytes_sent[rank] = rank_stats.bytes_sent;
+            stats.rank_bytes_received[rank] = rank_stats.bytes_received;
+            if (bad_rank < 0 && backend_->space() == MemorySpace::kHost)
+              for (int64_t row = 0; row < partial.rows && bad_rank < 0; ++row)
+                if (FirstNonFinite(partial.Row(row), partial.cols) >= 0) bad_rank = rank;
+            return backend_->ScatterAddRows(partial, plan.ranks[rank].token_rows, combined);
+          });
+    }
     t_collected = absl::Now();
+    if (status.ok()) break;
+    transport_->Abandon(dispatch.step_id);
+    int64_t lost_rows = 0;
+    for (const RankPart& part : dispatch.parts)
+      if (!transport_->RankUp(part.rank)) {
+        live[part.rank] = false;
+        lost_rows += part.rows.rows;
+      }
+    if (lost_rows == 0 || absl::Now() >= deadline || attempt >= R) break;
+    ++stats.failovers;
+    stats.redispatched_rows += lost_rows;
   }
   if (!status.ok()) {
-    transport_->Abandon(dispatch.step_id);
     stats.ok = false;
     stats.total = absl::Now() - t0;
     if (observer_ != nullptr) observer_->OnStep(stats);

@@ -34,6 +34,8 @@ struct StepStats {
   std::vector<int> rank_active_experts;      // distinct local experts each rank used
   std::vector<int64_t> rank_bytes_sent;      // bytes the transport put on the wire to each rank
   std::vector<int64_t> rank_bytes_received;  // and took off it (RankStepStats)
+  int failovers = 0;                         // times the step was sent again (a rank went down)
+  int64_t redispatched_rows = 0;             // rows of the ranks lost, sent to other replicas
   const Routing* routing = nullptr;          // this step's router choices
   const std::vector<float>* router_scores = nullptr;  // [tokens, E] sigmoid scores, when asked for
   bool ok = true;

@@ -81,15 +81,28 @@ std::string ExpertPlacement::ToString() const {
 }
 
 absl::StatusOr<DispatchPlan> DispatchPlan::Build(const Routing& routing,
-                                                 const ExpertPlacement& placement) {
+                                                 const ExpertPlacement& placement,
+                                                 const std::vector<bool>* live_ranks) {
   const int R = placement.num_ranks();
   const int k = routing.top_k;
   if (static_cast<int64_t>(routing.ids.size()) != routing.tokens * k ||
       routing.weights.size() != routing.ids.size())
     return absl::InvalidArgumentError("routing arrays do not match tokens x top_k");
+  if (live_ranks != nullptr && static_cast<int>(live_ranks->size()) != R)
+    return absl::InvalidArgumentError("live rank mask does not match the placement");
+  // The replicas each expert may use: all, or those on live ranks.
+  std::vector<std::vector<ExpertPlacement::Replica>> usable;
+  if (live_ranks != nullptr) {
+    usable.resize(placement.num_experts);
+    for (int e = 0; e < placement.num_experts; ++e)
+      for (const auto& replica : placement.replicas[e])
+        if ((*live_ranks)[replica.rank]) usable[e].push_back(replica);
+  }
+  const auto& replicas_of = live_ranks != nullptr ? usable : placement.replicas;
   DispatchPlan plan;
   plan.ranks.resize(R);
   std::vector<int> next_replica(placement.num_experts, 0);
+  std::vector<int> unavailable;  // chosen experts without a live replica
   // Per token: the (rank, local expert, gate) choices, then one row per distinct rank.
   std::vector<std::pair<int, int>> chosen(k);  // (rank, slot in the token's choices)
   std::vector<int> locals(k);
@@ -99,11 +112,18 @@ absl::StatusOr<DispatchPlan> DispatchPlan::Build(const Routing& routing,
       if (e < 0 || e >= placement.num_experts)
         return absl::InvalidArgumentError(
             absl::StrCat("routing chose expert ", e, " outside [0, ", placement.num_experts, ")"));
-      const auto& replicas = placement.replicas[e];
+      const auto& replicas = replicas_of[e];
+      if (replicas.empty()) {
+        if (std::find(unavailable.begin(), unavailable.end(), e) == unavailable.end())
+          unavailable.push_back(e);
+        chosen[j] = {-1, j};
+        continue;
+      }
       const auto& replica = replicas[next_replica[e]++ % replicas.size()];
       chosen[j] = {replica.rank, j};
       locals[j] = replica.local_index;
     }
+    if (!unavailable.empty()) continue;  // the step fails below; finish the scan for the list
     // Group the token's choices by rank; within a rank keep ascending local expert order.
     std::sort(chosen.begin(), chosen.end(), [&](const auto& a, const auto& b) {
       return a.first != b.first ? a.first < b.first : locals[a.second] < locals[b.second];
@@ -118,6 +138,15 @@ absl::StatusOr<DispatchPlan> DispatchPlan::Build(const Routing& routing,
       }
       rd.assignments.offsets.push_back(static_cast<int32_t>(rd.assignments.local_experts.size()));
     }
+  }
+  if (!unavailable.empty()) {
+    std::sort(unavailable.begin(), unavailable.end());
+    std::string list = absl::StrJoin(
+        unavailable.begin(), unavailable.begin() + std::min<size_t>(unavailable.size(), 16), ", ");
+    if (unavailable.size() > 16) absl::StrAppend(&list, ", ... (", unavailable.size(), " in all)");
+    return absl::UnavailableError(absl::StrCat("no live replica of expert",
+                                               unavailable.size() > 1 ? "s " : " ", list,
+                                               " (their ranks are down)"));
   }
   return plan;
 }

@@ -66,9 +66,12 @@ struct RankDispatch {
 struct DispatchPlan {
   std::vector<RankDispatch> ranks;
   // Builds the plan. A replicated expert's tokens are spread round-robin over its replicas
-  // in token order (deterministic). Fails on expert ids out of range.
+  // in token order (deterministic); with `live_ranks`, over the replicas on live ranks only,
+  // and UNAVAILABLE naming the chosen experts that have none. Fails on expert ids out of range.
+  // The result does not depend on the replica chosen (fp64 combine).
   static absl::StatusOr<DispatchPlan> Build(const Routing& routing,
-                                            const ExpertPlacement& placement);
+                                            const ExpertPlacement& placement,
+                                            const std::vector<bool>* live_ranks = nullptr);
 };
 
 // Regroups a rank's per-row choices by local expert (CSR) for the grouped expert kernel;

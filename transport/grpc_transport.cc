@@ -69,8 +69,11 @@ void GrpcGatewayTransport::SetRankStateCallback(std::function<void(int, bool)> c
 }
 
 bool GrpcGatewayTransport::UpLocked(int rank) const {
+  // Down as soon as a reason is recorded: the moment its waiting steps fail, so the engine's
+  // re-dispatch sees the same state.
   return rank >= 0 && rank < static_cast<int>(channels_.size()) &&
-         channels_[rank]->stream != nullptr && !channels_[rank]->silent;
+         channels_[rank]->stream != nullptr && !channels_[rank]->silent &&
+         channels_[rank]->down_reason.empty();
 }
 
 void GrpcGatewayTransport::MarkDown(Channel& channel, std::string reason) {

@@ -57,6 +57,7 @@ class GrpcGatewayTransport final : public GatewayTransport {
   absl::Status ServeRank(int rank, ExchangeServerStream* stream, grpc::ServerContext* context);
   // Cancels every rank's stream (shutdown: they never end on their own).
   void CloseRankStreams();
+  bool RankUp(int rank) const override { return IsUp(rank); }
   bool IsUp(int rank) const;
   // Results that came for steps not awaited (abandoned, or never sent to that rank): dropped.
   int64_t dropped_results() const;

@@ -113,6 +113,11 @@ class GatewayTransport {
   // `rank` down: the steps waiting on it fail UNAVAILABLE now, not at their deadline. A
   // transport that watches its own peers (gRPC) has nothing to do.
   virtual void RankDown(int rank, absl::string_view why) {}
+
+  // Whether `rank` is up as far as the transport knows (a stream transport watches its peers).
+  // The step engine dispatches only to live ranks, and after a failed step re-dispatches to
+  // live replicas of the same experts when a rank went down meanwhile.
+  virtual bool RankUp(int rank) const { return true; }
 };
 
 // A step as a rank receives it; `rows` lives in the rank backend's memory and stays valid

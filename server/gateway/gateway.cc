@@ -266,14 +266,31 @@ int64_t Gateway::ControlMessageLimit() const {
          (int64_t{1} << 20);
 }
 
+std::vector<int> Gateway::ExpertsWithoutLiveReplica() const {
+  std::vector<int> missing;
+  const ExpertPlacement& placement = engine_->placement();
+  for (int e = 0; e < placement.num_experts; ++e) {
+    bool live = false;
+    for (const auto& replica : placement.replicas[e]) live = live || transport_->IsUp(replica.rank);
+    if (!live) missing.push_back(e);
+  }
+  return missing;
+}
+
 bool Gateway::ready() const {
-  return transport_->num_up() == options_.num_ranks && (nccl_ == nullptr || nccl_->installed());
+  // NCCL needs every member of the communicator; over gRPC streams the gateway serves while
+  // every expert has a live replica (redundant placements ride out a rank's loss).
+  if (nccl_ != nullptr) return transport_->num_up() == options_.num_ranks && nccl_->installed();
+  return ExpertsWithoutLiveReplica().empty();
 }
 
 std::string Gateway::ReadinessMessage() const {
   std::string message = absl::StrCat(transport_->num_up(), " of ", options_.num_ranks, " ranks up");
   if (nccl_ != nullptr && !nccl_->installed())
     absl::StrAppend(&message, ", NCCL communicator not formed yet");
+  const std::vector<int> missing = ExpertsWithoutLiveReplica();
+  if (!missing.empty())
+    absl::StrAppend(&message, ", ", missing.size(), " experts without a live replica");
   return message;
 }
 
@@ -311,6 +328,7 @@ std::vector<RankRecord> Gateway::ranks() const {
 
 void Gateway::OnRankState(int rank, bool up) {
   if (rank >= 0) metrics_->OnRankState(rank, up);
+  metrics_->SetExpertsUnavailable(static_cast<int>(ExpertsWithoutLiveReplica().size()));
   // Under NCCL the exchange stream is only the liveness channel: its verdict must reach the
   // communicator, whose waits would otherwise last until the step deadline.
   if (rank >= 0 && !up && nccl_ != nullptr) nccl_->RankDown(rank, "is down (liveness)");
@@ -321,7 +339,11 @@ void Gateway::OnRankState(int rank, bool up) {
   if (rank >= 0)
     std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
                  ReadinessMessage().c_str());
-  if (all_up) std::fprintf(stderr, "moe-gateway: ready (%d ranks)\n", options_.num_ranks);
+  if (all_up && transport_->num_up() == options_.num_ranks)
+    std::fprintf(stderr, "moe-gateway: ready (%d ranks)\n", options_.num_ranks);
+  else if (all_up)
+    std::fprintf(stderr, "moe-gateway: serving degraded (%s): every expert has a live replica\n",
+                 ReadinessMessage().c_str());
   std::fflush(stderr);
   if (health_ != nullptr) health_->SetServingStatus(all_up && !draining_);
 }

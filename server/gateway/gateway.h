@@ -132,6 +132,8 @@ class Gateway {
   int64_t RequestLimit() const;         // the public port's message limit (max_request_bytes)
   int64_t ControlMessageLimit() const;  // the control port's: one rank's step result
   bool ready() const;
+  // Experts none of whose replicas is on a live rank (the gateway is not ready while any).
+  std::vector<int> ExpertsWithoutLiveReplica() const;
   std::string ReadinessMessage() const;  // "3 of 4 ranks up" when not ready
   const GatewayOptions& options() const { return options_; }
   const Checkpoint& checkpoint() const { return *checkpoint_; }

@@ -108,10 +108,27 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
                          .Register(*registry_);
   auth_failures_ = &BuildCounter()
                         .Name("moe_auth_failures_total")
-                        .Help("Calls refused for a missing or wrong credential, by plane "
-                              "(control: ranks, api: callers, admin: MoeDiagnostics)")
+                        .Help(
+                            "Calls refused for a missing or wrong credential, by plane "
+                            "(control: ranks, api: callers, admin: MoeDiagnostics)")
                         .Register(*registry_);
   for (const char* plane : {"control", "api", "admin"}) auth_failures_->Add({{"plane", plane}});
+  experts_unavailable_ =
+      &BuildGauge()
+           .Name("moe_experts_unavailable")
+           .Help("Experts without a replica on a live rank (not ready while > 0)")
+           .Register(*registry_)
+           .Add({});
+  experts_unavailable_->Set(config.routing.num_experts);  // no rank has registered yet
+  failovers_ = &BuildCounter()
+                    .Name("moe_failovers_total")
+                    .Help("Steps sent again to live replicas after a rank went down, by layer")
+                    .Register(*registry_);
+  redispatched_rows_ =
+      &BuildCounter()
+           .Name("moe_redispatched_rows_total")
+           .Help("Token rows of lost ranks re-dispatched to other replicas, by layer")
+           .Register(*registry_);
   info_ =
       &BuildGauge().Name("moe_model_info").Help("The served model (value 1)").Register(*registry_);
   info_
@@ -182,12 +199,18 @@ void GatewayMetrics::SetRankWeightBytes(int rank, int64_t bytes) {
   rank_weight_bytes_->Add({{"rank", L(rank)}}).Set(static_cast<double>(bytes));
 }
 
+void GatewayMetrics::SetExpertsUnavailable(int experts) { experts_unavailable_->Set(experts); }
+
 void GatewayMetrics::OnAuthFailure(const std::string& plane) {
   auth_failures_->Add({{"plane", plane}}).Increment();
 }
 
 void GatewayMetrics::OnStep(const StepStats& s) {
   const std::string layer = L(s.layer);
+  if (s.failovers > 0) {
+    failovers_->Add({{"layer", layer}}).Increment(s.failovers);
+    redispatched_rows_->Add({{"layer", layer}}).Increment(static_cast<double>(s.redispatched_rows));
+  }
   steps_->Add({{"layer", layer}, {"result", s.ok ? "ok" : "error"}}).Increment();
   if (!s.ok) return;
   auto stage = [&](const char* name, absl::Duration d) {

@@ -56,6 +56,7 @@ class GatewayMetrics final : public StepObserver {
   void OnRequest(int layer, int grpc_code, absl::Duration latency, absl::Duration queue);
   void OnRankState(int rank, bool up);
   void SetRankWeightBytes(int rank, int64_t bytes);
+  void SetExpertsUnavailable(int experts);
   // A call refused by AccessControl; plane: "control", "api" or "admin".
   void OnAuthFailure(const std::string& plane);
 
@@ -98,6 +99,9 @@ class GatewayMetrics final : public StepObserver {
   prometheus::Family<prometheus::Counter>* sent_bytes_;
   prometheus::Family<prometheus::Counter>* received_bytes_;
   prometheus::Family<prometheus::Counter>* auth_failures_;
+  prometheus::Gauge* experts_unavailable_;
+  prometheus::Family<prometheus::Counter>* failovers_;
+  prometheus::Family<prometheus::Counter>* redispatched_rows_;
   prometheus::Family<prometheus::Gauge>* info_;
 
   mutable std::mutex mu_;
