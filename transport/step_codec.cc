@@ -25,12 +25,19 @@ void EncodeRows(ConstMatrixView rows, Precision p, std::string* out) {
   }
 }
 
-absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t width, Precision p,
-                        MatrixView out) {
+namespace {
+absl::Status CheckRowBytes(const std::string& bytes, int64_t num_rows, int64_t width, Precision p) {
   const size_t elem = p == Precision::kBF16 ? 2 : 4;
   if (bytes.size() != static_cast<size_t>(num_rows * width) * elem)
     return absl::InvalidArgumentError(
         absl::StrCat("step rows: ", bytes.size(), " bytes for [", num_rows, ", ", width, "]"));
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t width, Precision p,
+                        MatrixView out) {
+  RETURN_IF_ERROR(CheckRowBytes(bytes, num_rows, width, p));
   for (int64_t r = 0; r < num_rows; ++r) {
     float* dst = out.Row(r);
     if (p == Precision::kBF16) {
@@ -53,6 +60,8 @@ absl::Status DecodeStepRequest(const moe::v1::internal::StepRequest& step,
   out->precision = step.bf16() ? Precision::kBF16 : Precision::kFP32;
   const int64_t rows = step.num_rows(), width = step.width();
   if (rows < 0 || width <= 0) return absl::InvalidArgumentError("bad step shape");
+  // Before the buffer is sized: the shape (two int32s) could ask for 2^62 floats.
+  RETURN_IF_ERROR(CheckRowBytes(step.rows(), rows, width, out->precision));
   host_rows->resize(rows * width);
   MatrixView host(host_rows->data(), rows, width, width);
   RETURN_IF_ERROR(DecodeRows(step.rows(), rows, width, out->precision, host));

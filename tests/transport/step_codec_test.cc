@@ -57,5 +57,19 @@ TEST(StepCodecTest, BadShapeOrByteCountIsRefused) {
   EXPECT_EQ(DecodeStepRequest(step, &host, &out).message(), "bad step shape");
 }
 
+// Found by tests/fuzz (step target): the rows buffer was sized from the shape before the bytes
+// were counted, so a message of a few bytes could ask for 2^62 floats.
+TEST(StepCodecTest, HugeShapeIsRefusedBeforeAllocating) {
+  StepRequest step = Step(1, 4, true);
+  step.set_num_rows(2147483647);
+  step.set_width(2147483647);
+  std::vector<float> host;
+  ReceivedStep out;
+  const absl::Status s = DecodeStepRequest(step, &host, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "step rows: 8 bytes for [2147483647, 2147483647]");
+  EXPECT_TRUE(host.empty());
+}
+
 }  // namespace
 }  // namespace moe
