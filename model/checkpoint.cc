@@ -183,8 +183,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     ckpt->prefix_tail_ = prefixes[i].tail;
   }
   // Only layers the config calls MoE count: a router-like name elsewhere is not a MoE block.
-  for (int layer : ckpt->config_.MoeLayerIndices())
-    if (found.count(layer)) ckpt->layers_.push_back(layer);
+  // (Asked per layer found: listing the config's layers would trust its num_hidden_layers.)
+  for (int layer : found)
+    if (ckpt->config_.IsMoeLayer(layer)) ckpt->layers_.push_back(layer);
   if (ckpt->layers_.empty()) {
     std::vector<std::string> patterns;
     for (size_t i = 0; i < num_prefixes; ++i)

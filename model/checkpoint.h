@@ -56,7 +56,7 @@ class Checkpoint {
   const std::string& dir() const { return dir_; }
   const SafetensorsCheckpoint& tensors() const { return *tensors_; }
 
-  // MoE layers present in the files (subset of config().MoeLayerIndices()), ascending.
+  // MoE layers present in the files (those config().IsMoeLayer), ascending.
   const std::vector<int>& layers() const { return layers_; }
   bool HasLayer(int layer) const;
 

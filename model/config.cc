@@ -682,11 +682,16 @@ const char* ModelFamilyName(ModelFamily f) {
   return "?";
 }
 
+bool MoeConfig::IsMoeLayer(int layer) const {
+  return moe_layer_freq > 0 && layer >= std::max(first_k_dense_replace, 0) &&
+         layer < num_hidden_layers && layer % moe_layer_freq == 0;
+}
+
 std::vector<int> MoeConfig::MoeLayerIndices() const {
   std::vector<int> layers;
   if (moe_layer_freq <= 0) return layers;
   for (int layer = std::max(first_k_dense_replace, 0); layer < num_hidden_layers; ++layer) {
-    if (layer % moe_layer_freq == 0) layers.push_back(layer);
+    if (IsMoeLayer(layer)) layers.push_back(layer);
   }
   return layers;
 }

@@ -431,6 +431,19 @@ TEST(CheckpointTest, LayersPresentAreTheOnesWithARouter) {
   EXPECT_EQ((*ckpt)->layers(), (std::vector<int>{2}));
 }
 
+// Found by tests/fuzz (config target): Open listed every layer the config names, so a
+// config.json saying 2^31 - 1 layers made it allocate 8 GB and loop 2^31 times.
+TEST(CheckpointTest, HugeLayerCountInConfigIsNotListed) {
+  const std::string dir = FreshDir("huge_layer_count");
+  TestCheckpoint(TinyK3()).Write(dir, 1);
+  MoeConfig huge = TinyK3();
+  huge.num_hidden_layers = 2147483647;
+  std::ofstream(dir + "/config.json") << MoeConfigToJson(huge);
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->layers(), (std::vector<int>{1, 2}));
+}
+
 // Each malformed checkpoint: (code, substrings of the message).
 struct Broken {
   absl::StatusCode code;
