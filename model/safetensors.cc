@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "core/status.h"
+#include "model/bounded_json.h"
 
 namespace moe {
 namespace {
@@ -148,12 +149,11 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::Span<const uint8_
   out.data_start = 8 + header_len;
   const uint64_t data_size = file_size - 8 - header_len;
 
-  Json header;
-  try {
-    header = Json::parse(file.data() + 8, file.data() + 8 + header_len);
-  } catch (const Json::exception& e) {
-    return Malformed(path, absl::StrCat("header is not valid JSON: ", e.what()));
-  }
+  absl::StatusOr<Json> parsed = ParseBoundedJson(
+      absl::string_view(reinterpret_cast<const char*>(file.data()) + 8, header_len));
+  if (!parsed.ok())
+    return Malformed(path, absl::StrCat("header is not valid JSON: ", parsed.status().message()));
+  const Json header = *std::move(parsed);
   if (!header.is_object()) return Malformed(path, "header is not a JSON object");
 
   for (auto it = header.begin(); it != header.end(); ++it) {
@@ -272,12 +272,11 @@ absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Op
   const std::string index_path = JoinPath(dir, kIndexFile);
   if (fs::exists(index_path, ec)) {
     ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(index_path));
-    Json index;
-    try {
-      index = Json::parse(text);
-    } catch (const Json::exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": not valid JSON: ", e.what()));
-    }
+    absl::StatusOr<Json> parsed = ParseBoundedJson(text);
+    if (!parsed.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path, ": not valid JSON: ", parsed.status().message()));
+    Json index = *std::move(parsed);
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
       return absl::InvalidArgumentError(absl::StrCat(index_path, ": missing object 'weight_map'"));
     std::set<std::string> files;

@@ -253,6 +253,20 @@ TEST_F(MalformedFileTest, NegativeShapeAndBadOffsets) {
   ExpectInvalid({"'w'", "data_offsets"});
 }
 
+// A million nested arrays parse iteratively but would overflow the stack when dumped (the
+// metadata of a non-string value is stored dumped): refused while parsing.
+TEST_F(MalformedFileTest, DeeplyNestedHeaderIsRefused) {
+  const int depth = 1000000;
+  WriteRaw(path_,
+           R"({"__metadata__": {"x": )" + std::string(depth, '[') + std::string(depth, ']') + "}}",
+           0);
+  ExpectInvalid({"header is not valid JSON: nested deeper than 64 levels"});
+  WriteRaw(path_, R"({"__metadata__": {"x": [[1, 2], {"a": [3]}]}})", 0);  // shallow is fine
+  auto file = SafetensorsFile::Open(path_);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->metadata().at("x"), R"([[1,2],{"a":[3]}])");
+}
+
 // The parser works on bytes, as SafetensorsFile::Open hands them over from the mapping.
 TEST(ParseSafetensorsHeaderTest, ParsesBytes) {
   const std::string header = R"({"w": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}})";
