@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -81,13 +82,19 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
   NpyArray out;
   out.descr = std::string(descr);
   shape_text = absl::StripSuffix(absl::StripPrefix(shape_text, "("), ")");
+  // NOTES: every prefix product of the shape stays below 2^63 / 8, so neither the element
+  // count (num_elements multiplies in this order) nor its byte count can overflow; a shape
+  // that big needs more bytes than any file holds, whatever its dtype.
+  int64_t n = 1;
   for (absl::string_view part : absl::StrSplit(shape_text, ',', absl::SkipWhitespace())) {
     int64_t d;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &d) || d < 0)
       return Malformed(what, absl::StrCat("bad shape entry '", part, "'"));
+    if (d > 0 && n > std::numeric_limits<int64_t>::max() / 8 / d)
+      return Malformed(what, absl::StrCat("shape (", shape_text, ") is too large"));
+    n *= d;
     out.shape.push_back(d);
   }
-  const int64_t n = out.num_elements();
   const char* payload = bytes.data() + header_start + header_len;
   const size_t payload_bytes = bytes.size() - header_start - header_len;
 

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "model/bounded_json.h"
 
 namespace moe {
 namespace {
@@ -682,11 +683,16 @@ const char* ModelFamilyName(ModelFamily f) {
   return "?";
 }
 
+bool MoeConfig::IsMoeLayer(int layer) const {
+  return moe_layer_freq > 0 && layer >= std::max(first_k_dense_replace, 0) &&
+         layer < num_hidden_layers && layer % moe_layer_freq == 0;
+}
+
 std::vector<int> MoeConfig::MoeLayerIndices() const {
   std::vector<int> layers;
   if (moe_layer_freq <= 0) return layers;
   for (int layer = std::max(first_k_dense_replace, 0); layer < num_hidden_layers; ++layer) {
-    if (layer % moe_layer_freq == 0) layers.push_back(layer);
+    if (IsMoeLayer(layer)) layers.push_back(layer);
   }
   return layers;
 }
@@ -718,15 +724,16 @@ bool operator==(const MoeConfig& a, const MoeConfig& b) {
 }
 
 absl::StatusOr<MoeConfig> ParseMoeConfig(absl::string_view config_json) {
+  absl::StatusOr<Json> root = ParseBoundedJson(config_json);
+  if (!root.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: not valid JSON: ", root.status().message()));
   // NOTES: nlohmann reports errors by exception; they stop here. The field readers check
-  // types before every access, so only parse errors are expected.
+  // types before every access, so none is expected.
   try {
-    const Json root = Json::parse(config_json.begin(), config_json.end());
-    absl::StatusOr<MoeConfig> config = ParseRoot(root);
+    absl::StatusOr<MoeConfig> config = ParseRoot(*root);
     if (!config.ok()) return Annotate(config.status(), "config.json");
     return config;
-  } catch (const Json::parse_error& e) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: not valid JSON: ", e.what()));
   } catch (const Json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: ", e.what()));
   }

@@ -70,8 +70,11 @@ struct MoeConfig {
   WeightFormat expert_format = WeightFormat::kBF16;
   WeightFormat dense_format = WeightFormat::kBF16;
 
-  // Layer indices (the checkpoint's own numbering) that are MoE layers by the config:
+  // Whether layer L (the checkpoint's own numbering) is a MoE layer by the config:
   // L in [first_k_dense_replace, num_hidden_layers) with L % moe_layer_freq == 0.
+  bool IsMoeLayer(int layer) const;
+  // Every such L, ascending. As many as num_hidden_layers, which a config.json may set to 2^31:
+  // for configs this program made; readers ask IsMoeLayer of the layers they find instead.
   std::vector<int> MoeLayerIndices() const;
   // Checks the config describes a servable layer: positive sizes, top_k <= num_experts, the
   // group limits, at least one MoE layer, a format pair config.json can express, MXFP4 widths

@@ -158,6 +158,11 @@ absl::StatusOr<ExpertAssignments> GroupByExpert(const RowAssignments& rows, int 
   if (rows.offsets.empty() || rows.offsets.front() != 0 || rows.offsets.back() != n ||
       rows.gates.size() != rows.local_experts.size())
     return absl::InvalidArgumentError("malformed row assignments");
+  // Checked before any row is read: ascending from 0 to n keeps every row inside the lists
+  // (offsets come off the wire, e.g. [0, 100, 2] with 2 assignments).
+  for (size_t r = 0; r + 1 < rows.offsets.size(); ++r)
+    if (rows.offsets[r] > rows.offsets[r + 1])
+      return absl::InvalidArgumentError("row assignment offsets not ascending");
   for (int32_t e : rows.local_experts) {
     if (e < 0 || e >= num_local_experts)
       return absl::InvalidArgumentError(
@@ -169,8 +174,6 @@ absl::StatusOr<ExpertAssignments> GroupByExpert(const RowAssignments& rows, int 
   out.gates.resize(n);
   std::vector<int32_t> fill(out.offsets.begin(), out.offsets.end() - 1);
   for (int64_t r = 0; r + 1 < static_cast<int64_t>(rows.offsets.size()); ++r) {
-    if (rows.offsets[r] > rows.offsets[r + 1])
-      return absl::InvalidArgumentError("row assignment offsets not ascending");
     for (int32_t i = rows.offsets[r]; i < rows.offsets[r + 1]; ++i) {
       const int32_t slot = fill[rows.local_experts[i]]++;
       out.rows[slot] = static_cast<int32_t>(r);

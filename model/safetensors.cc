@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "core/status.h"
+#include "model/bounded_json.h"
 
 namespace moe {
 namespace {
@@ -131,67 +132,47 @@ int64_t TensorInfo::num_elements() const {
   return n;
 }
 
-// ---- SafetensorsFile ----------------------------------------------------------------------
+// ---- the header ---------------------------------------------------------------------------
 
-absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus("cannot open", path, errno);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return ErrnoStatus("cannot stat", path, err);
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  if (file_size < 8) {
-    ::close(fd);
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::Span<const uint8_t> file,
+                                                         const std::string& path) {
+  const uint64_t file_size = file.size();
+  if (file_size < 8)
     return Malformed(
         path, absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length"));
-  }
-  void* map = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  // NOTES: the mapping keeps the file referenced; the descriptor is not needed any more.
-  ::close(fd);
-  if (map == MAP_FAILED) return ErrnoStatus("cannot mmap", path, map_errno);
-
-  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
-  file->path_ = path;
-  file->map_ = static_cast<const uint8_t*>(map);
-  file->map_size_ = file_size;
-
   uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | file->map_[i];
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | file[i];
   if (header_len > file_size - 8 || header_len > kMaxHeaderBytes)
     return Malformed(path, absl::StrCat("header length ", header_len, " exceeds the file size (",
                                         file_size, " bytes)"));
-  file->data_section_ = file->map_ + 8 + header_len;
+  SafetensorsHeader out;
+  out.data_start = 8 + header_len;
   const uint64_t data_size = file_size - 8 - header_len;
 
-  Json header;
-  try {
-    header = Json::parse(file->map_ + 8, file->map_ + 8 + header_len);
-  } catch (const Json::exception& e) {
-    return Malformed(path, absl::StrCat("header is not valid JSON: ", e.what()));
-  }
+  absl::StatusOr<Json> parsed = ParseBoundedJson(
+      absl::string_view(reinterpret_cast<const char*>(file.data()) + 8, header_len));
+  if (!parsed.ok())
+    return Malformed(path, absl::StrCat("header is not valid JSON: ", parsed.status().message()));
+  const Json header = *std::move(parsed);
   if (!header.is_object()) return Malformed(path, "header is not a JSON object");
 
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") {
       if (!it.value().is_object()) return Malformed(path, "__metadata__ is not a JSON object");
       for (auto m = it.value().begin(); m != it.value().end(); ++m)
-        file->metadata_[m.key()] =
+        out.metadata[m.key()] =
             m.value().is_string() ? m.value().get<std::string>() : m.value().dump();
       continue;
     }
     TensorInfo info;
     RETURN_IF_ERROR(ParseTensorEntry(path, it.key(), it.value(), &info));
-    file->tensors_.emplace(it.key(), std::move(info));
+    out.tensors.emplace(it.key(), std::move(info));
   }
 
   // Offsets must tile the data section without overlap or holes, and fit in it.
   std::vector<const TensorInfo*> by_offset;
-  by_offset.reserve(file->tensors_.size());
-  for (const auto& [name, info] : file->tensors_) by_offset.push_back(&info);
+  by_offset.reserve(out.tensors.size());
+  for (const auto& [name, info] : out.tensors) by_offset.push_back(&info);
   std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
     return std::make_pair(a->data_offset, a->size_bytes) <
            std::make_pair(b->data_offset, b->size_bytes);
@@ -218,6 +199,40 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     cursor = end;
     previous = info;
   }
+  return out;
+}
+
+// ---- SafetensorsFile ----------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus("cannot open", path, errno);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ErrnoStatus("cannot stat", path, err);
+  }
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  if (file_size < 8) {  // mmap refuses empty files; the parser's message needs only the size
+    ::close(fd);
+    return ParseSafetensorsHeader(std::vector<uint8_t>(file_size), path).status();
+  }
+  void* map = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_errno = errno;
+  // NOTES: the mapping keeps the file referenced; the descriptor is not needed any more.
+  ::close(fd);
+  if (map == MAP_FAILED) return ErrnoStatus("cannot mmap", path, map_errno);
+
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  file->map_ = static_cast<const uint8_t*>(map);
+  file->map_size_ = file_size;
+  ASSIGN_OR_RETURN(SafetensorsHeader header,
+                   ParseSafetensorsHeader(absl::MakeConstSpan(file->map_, file_size), path));
+  file->data_section_ = file->map_ + header.data_start;
+  file->tensors_ = std::move(header.tensors);
+  file->metadata_ = std::move(header.metadata);
   return file;
 }
 
@@ -257,12 +272,11 @@ absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Op
   const std::string index_path = JoinPath(dir, kIndexFile);
   if (fs::exists(index_path, ec)) {
     ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(index_path));
-    Json index;
-    try {
-      index = Json::parse(text);
-    } catch (const Json::exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": not valid JSON: ", e.what()));
-    }
+    absl::StatusOr<Json> parsed = ParseBoundedJson(text);
+    if (!parsed.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path, ": not valid JSON: ", parsed.status().message()));
+    Json index = *std::move(parsed);
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
       return absl::InvalidArgumentError(absl::StrCat(index_path, ": missing object 'weight_map'"));
     std::set<std::string> files;

@@ -27,6 +27,19 @@ struct TensorInfo {
   int64_t num_elements() const;
 };
 
+// A safetensors file's header: its tensor table and metadata, validated against the file.
+struct SafetensorsHeader {
+  std::map<std::string, TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+  uint64_t data_start = 0;  // where the data section begins: 8 + the header's length
+};
+
+// Parses and validates the header of the file whose bytes are `file`: offsets in bounds and
+// contiguous, sizes matching dtype x shape, file not truncated. InvalidArgument naming `path`
+// (and the tensor) otherwise. The untrusted-bytes half of SafetensorsFile::Open.
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::Span<const uint8_t> file,
+                                                         const std::string& path);
+
 // One .safetensors file, mmap'ed read-only.
 class SafetensorsFile {
  public:

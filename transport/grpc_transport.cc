@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "core/numerics.h"
 #include "core/status.h"
 
 namespace moe {
@@ -16,44 +15,6 @@ static_assert(moe::v1::internal::PRECISION_BF16 == WirePrecision(Precision::kBF1
 using moe::v1::internal::GatewayToRank;
 using moe::v1::internal::RankToGateway;
 using moe::v1::internal::StepResult;
-
-void EncodeRows(ConstMatrixView rows, Precision p, std::string* out) {
-  const size_t elem = p == Precision::kBF16 ? 2 : 4;
-  out->resize(rows.rows * rows.cols * elem);
-  char* dst = out->data();
-  for (int64_t r = 0; r < rows.rows; ++r) {
-    const float* src = rows.Row(r);
-    if (p == Precision::kBF16) {
-      for (int64_t c = 0; c < rows.cols; ++c) {
-        const uint16_t b = FloatToBf16Bits(src[c]);
-        std::memcpy(dst + 2 * (r * rows.cols + c), &b, 2);
-      }
-    } else {
-      std::memcpy(dst + 4 * r * rows.cols, src, rows.cols * 4);
-    }
-  }
-}
-
-absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t width, Precision p,
-                        MatrixView out) {
-  const size_t elem = p == Precision::kBF16 ? 2 : 4;
-  if (bytes.size() != static_cast<size_t>(num_rows * width) * elem)
-    return absl::InvalidArgumentError(
-        absl::StrCat("step rows: ", bytes.size(), " bytes for [", num_rows, ", ", width, "]"));
-  for (int64_t r = 0; r < num_rows; ++r) {
-    float* dst = out.Row(r);
-    if (p == Precision::kBF16) {
-      for (int64_t c = 0; c < width; ++c) {
-        uint16_t b;
-        std::memcpy(&b, bytes.data() + 2 * (r * width + c), 2);
-        dst[c] = Bf16BitsToFloat(b);
-      }
-    } else {
-      std::memcpy(dst, bytes.data() + 4 * r * width, width * 4);
-    }
-  }
-  return absl::OkStatus();
-}
 
 // ---- gateway side ---------------------------------------------------------------------------
 
@@ -382,16 +343,9 @@ absl::StatusOr<ReceivedStep> GrpcRankTransport::Receive() {
   const auto& step = message.step();
   ReceivedStep out;
   out.wire_bytes = static_cast<int64_t>(message.ByteSizeLong());
-  out.step_id = step.step_id();
-  out.layer = step.layer();
-  ASSIGN_OR_RETURN(out.precision, PrecisionFromWire(step.precision()));
-  const int64_t rows = step.num_rows(), width = step.width();
-  if (rows < 0 || width <= 0) return absl::InvalidArgumentError("bad step shape");
-  host_rows_.resize(rows * width);
-  MatrixView host(host_rows_.data(), rows, width, width);
-  RETURN_IF_ERROR(DecodeRows(step.rows(), rows, width, out.precision, host));
-  out.rows = host;
+  RETURN_IF_ERROR(DecodeStepRequest(step, &host_rows_, &out));
   if (backend_->space() == MemorySpace::kDevice) {
+    const int64_t rows = out.rows.rows, width = out.rows.cols;
     const size_t bytes = rows * width * sizeof(float);
     if (rows_ == nullptr || rows_->size() < bytes) {
       ASSIGN_OR_RETURN(rows_, backend_->Allocate(bytes));
@@ -399,9 +353,6 @@ absl::StatusOr<ReceivedStep> GrpcRankTransport::Receive() {
     RETURN_IF_ERROR(backend_->CopyToBackend(rows_->data(), host_rows_.data(), bytes));
     out.rows = ConstMatrixView(static_cast<const float*>(rows_->data()), rows, width, width);
   }
-  out.assignments.offsets.assign(step.row_offsets().begin(), step.row_offsets().end());
-  out.assignments.local_experts.assign(step.local_experts().begin(), step.local_experts().end());
-  out.assignments.gates.assign(step.gates().begin(), step.gates().end());
   return out;
 }
 

@@ -24,6 +24,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kernels/backend.h"
 #include "moe/v1/internal.grpc.pb.h"
+#include "transport/step_codec.h"
 #include "transport/stream_liveness.h"
 #include "transport/transport.h"
 
@@ -33,11 +34,6 @@ using ExchangeServerStream =
     grpc::ServerReaderWriter<moe::v1::internal::GatewayToRank, moe::v1::internal::RankToGateway>;
 using ExchangeClientStream =
     grpc::ClientReaderWriter<moe::v1::internal::RankToGateway, moe::v1::internal::GatewayToRank>;
-
-// Encodes rows for the wire (bf16 or fp32 little-endian) and back.
-void EncodeRows(ConstMatrixView rows, Precision p, std::string* out);
-absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t width, Precision p,
-                        MatrixView out);
 
 class GrpcGatewayTransport final : public GatewayTransport {
  public:

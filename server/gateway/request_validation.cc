@@ -30,13 +30,19 @@ absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRe
                      ", the model's hidden size is ", limits.hidden_size));
   // Check the token count before decoding, so an oversized request costs nothing.
   int64_t tokens = 1;
+  bool over_limit = false;
   for (int i = 0; i + 1 < rank; ++i) {
-    if (t.shape(i) < 0) return absl::InvalidArgumentError("hidden_states has a negative dimension");
-    tokens *= t.shape(i);
-    if (tokens > limits.max_request_tokens) break;
+    const int64_t d = t.shape(i);
+    if (d < 0) return absl::InvalidArgumentError("hidden_states has a negative dimension");
+    // Stops before the product passes the limit: it could overflow ([16, 2^62, H]).
+    if (d > 0 && tokens > limits.max_request_tokens / d) {
+      over_limit = true;
+      break;
+    }
+    tokens *= d;
   }
   if (tokens == 0) return absl::InvalidArgumentError("hidden_states has no tokens (empty batch)");
-  if (tokens > limits.max_request_tokens)
+  if (over_limit || tokens > limits.max_request_tokens)
     return absl::ResourceExhaustedError(absl::StrCat("request has more tokens than the limit of ",
                                                      limits.max_request_tokens, " per request"));
   ASSIGN_OR_RETURN(out.input, DecodeTensor(t, "hidden_states"));

@@ -44,6 +44,9 @@ int main(int argc, char** argv) {
   flags.Bool(
       "prefault", &options.prefault,
       "touch every page of the experts at load (--prefault=false: fault them in on first use)");
+  flags.Bool("check-weights", &options.check_weights,
+             "refuse experts holding NaN/Inf at load (reads every bf16/FP8 weight byte, MXFP4 "
+             "scales only)");
   flags.Int("device", &options.device, "CUDA device (--backend cuda)");
   flags.Int("connect-timeout-s", &connect_timeout_s, "how long to wait for the gateway");
   flags.Bool("exit-on-disconnect", &exit_on_disconnect,

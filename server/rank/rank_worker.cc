@@ -104,8 +104,11 @@ absl::Status RankWorker::LoadShards(const moe::v1::internal::RegisterResponse& r
   int64_t bytes = 0;
   for (const auto& shard : registration.shards()) {
     std::vector<int> experts(shard.experts().begin(), shard.experts().end());
+    ExpertLoadOptions load;
+    load.prefetch = true;
+    load.check_values = options_.check_weights;
     ASSIGN_OR_RETURN(ExpertShardWeights weights,
-                     checkpoint_->LoadExperts(shard.layer(), experts, /*prefetch=*/true));
+                     checkpoint_->LoadExperts(shard.layer(), experts, load));
     if (options_.prefault && backend_->space() == MemorySpace::kHost) PrefaultWeights(weights);
     ASSIGN_OR_RETURN(auto expert_shard,
                      ExpertShard::Create(checkpoint_->config(), weights, backend_.get()));

@@ -37,6 +37,8 @@ struct RankOptions {
   int64_t max_message_bytes = int64_t{1} << 30;
   // Fault in every page of the shard at load (predictable first steps; CPU backend).
   bool prefault = true;
+  // Refuse experts holding NaN/Inf at load (ExpertLoadOptions::check_values).
+  bool check_weights = true;
   // Fault injection for tests: sleep this long before answering each step.
   absl::Duration debug_step_delay = absl::ZeroDuration();
   // Fault injection for tests: answer every step with NaN partial sums (a faulty rank).

@@ -53,5 +53,33 @@ TEST(NpyTest, MalformedInputsAreErrors) {
   EXPECT_EQ(ReadNpy("/nonexistent/file.npy").status().code(), absl::StatusCode::kNotFound);
 }
 
+// Found by tests/fuzz (npy target, UBSan): the element count of a huge shape overflowed int64,
+// and a count whose byte size wrapped to 0 would have passed the payload check and been
+// allocated.
+// A version 1.0 file whose header says `shape_text`, with 8 bytes of float64 payload.
+std::string NpyWithShape(const std::string& shape_text) {
+  const std::string header =
+      "{'descr': '<f8', 'fortran_order': False, 'shape': " + shape_text + ", }\n";
+  std::string out("\x93NUMPY\x01\x00", 8);
+  out.push_back(static_cast<char>(header.size() & 0xff));
+  out.push_back(static_cast<char>(header.size() >> 8));
+  return out + header + "12345678";
+}
+
+TEST(NpyTest, ShapeTooLargeForAnyFileIsRefused) {
+  ASSERT_TRUE(ParseNpy(NpyWithShape("(1,)"), "one.npy").ok());
+  for (const char* shape :
+       {"(9223372036854775807, 3)", "(4294967296, 4294967296)", "(2305843009213693952,)"}) {
+    const absl::StatusOr<NpyArray> r = ParseNpy(NpyWithShape(shape), "huge.npy");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << shape;
+    EXPECT_NE(r.status().message().find("is too large"), std::string::npos) << r.status();
+  }
+  // Zero-sized arrays stay valid (a zero first dimension keeps every product at 0).
+  auto empty =
+      ParseNpy(EncodeNpy("<f4", {0, int64_t{1} << 40, int64_t{1} << 40}, nullptr, 0), "empty.npy");
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->num_elements(), 0);
+}
+
 }  // namespace
 }  // namespace moe

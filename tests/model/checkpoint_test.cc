@@ -313,7 +313,9 @@ TEST(CheckpointTest, K3ShardedSelectiveLoading) {
   EXPECT_EQ(gw->TotalBytes(), (4 * 64 + 32 * 64 * 2 + 32 * 64 * 3) * 2 + 4 * 4 + 32 * 2);
 
   // Experts in any order come back ascending; each view holds exactly its expert.
-  auto experts = (*ckpt)->LoadExperts(2, {3, 1}, /*prefetch=*/true);
+  ExpertLoadOptions prefetch;
+  prefetch.prefetch = true;
+  auto experts = (*ckpt)->LoadExperts(2, {3, 1}, prefetch);
   ASSERT_TRUE(experts.ok()) << experts.status();
   EXPECT_EQ(experts->layer, 2);
   EXPECT_EQ(experts->expert_ids, (std::vector<int>{1, 3}));
@@ -431,10 +433,24 @@ TEST(CheckpointTest, LayersPresentAreTheOnesWithARouter) {
   EXPECT_EQ((*ckpt)->layers(), (std::vector<int>{2}));
 }
 
+// Found by tests/fuzz (config target): Open listed every layer the config names, so a
+// config.json saying 2^31 - 1 layers made it allocate 8 GB and loop 2^31 times.
+TEST(CheckpointTest, HugeLayerCountInConfigIsNotListed) {
+  const std::string dir = FreshDir("huge_layer_count");
+  TestCheckpoint(TinyK3()).Write(dir, 1);
+  MoeConfig huge = TinyK3();
+  huge.num_hidden_layers = 2147483647;
+  std::ofstream(dir + "/config.json") << MoeConfigToJson(huge);
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->layers(), (std::vector<int>{1, 2}));
+}
+
 // Each malformed checkpoint: (code, substrings of the message).
 struct Broken {
   absl::StatusCode code;
   std::vector<std::string> message_parts;
+  std::string dir = "";  // where the checkpoint was written
 };
 
 Broken LoadBroken(const std::string& name, const MoeConfig& config,
@@ -444,10 +460,10 @@ Broken LoadBroken(const std::string& name, const MoeConfig& config,
   mutate(written);
   written.Write(dir, 1);
   auto ckpt = Checkpoint::Open(dir);
-  if (!ckpt.ok()) return {ckpt.status().code(), {std::string(ckpt.status().message())}};
+  if (!ckpt.ok()) return {ckpt.status().code(), {std::string(ckpt.status().message())}, dir};
   const absl::Status s = gateway ? (*ckpt)->LoadGatewayLayer(layer).status()
                                  : (*ckpt)->LoadExperts(layer, {0, 1}).status();
-  return {s.code(), {std::string(s.message())}};
+  return {s.code(), {std::string(s.message())}, dir};
 }
 
 void ExpectBroken(const Broken& b, absl::StatusCode code, const std::vector<std::string>& parts) {
@@ -582,6 +598,135 @@ TEST(CheckpointTest, RouterBiasAbsentOrBf16) {
     EXPECT_EQ(gw2->router_bias[e], static_cast<float>((7 * 3 + e) % 251 - 125) / 8.0f);
 }
 
+// ---- NaN/Inf in the weights ------------------------------------------------------------------
+
+// Overwrites element `index` of a test tensor with the stored bytes `code` (one element's worth).
+void Poison(TestCheckpoint& c, const std::string& name, int64_t index, std::vector<uint8_t> code) {
+  TestTensor& t = c.Get(name);
+  ASSERT_LE((index + 1) * static_cast<int64_t>(code.size()), static_cast<int64_t>(t.bytes.size()))
+      << name;
+  std::memcpy(t.bytes.data() + index * code.size(), code.data(), code.size());
+}
+
+std::vector<uint8_t> F32Bytes(float v) {
+  std::vector<uint8_t> b(4);
+  std::memcpy(b.data(), &v, 4);
+  return b;
+}
+
+const std::vector<uint8_t> kBf16NaN = {0xc0, 0x7f};       // 0x7fc0
+const std::vector<uint8_t> kBf16MinusInf = {0x80, 0xff};  // 0xff80
+
+// The message of a value check: "tensor '<name>' in <its shard>: <what>".
+std::string BadValueMessage(const Broken& b, const std::string& tensor, const std::string& what) {
+  return "tensor '" + tensor + "' in " + b.dir + "/" + kShard + ": " + what;
+}
+
+// Every gateway tensor is checked at load: the router, its bias, the latent projections and
+// norm, the shared experts.
+TEST(CheckpointTest, NaNOrInfInAGatewayTensorIsRefused) {
+  struct Case {
+    std::string tensor;
+    int64_t element;
+    std::vector<uint8_t> code;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"gate.weight", 37, kBf16NaN, "NaN at element 37"},
+      {"gate.e_score_correction_bias", 2, F32Bytes(INFINITY), "+Inf at element 2"},
+      {"routed_expert_down_proj.weight", 1234, kBf16MinusInf, "-Inf at element 1234"},
+      {"routed_expert_up_proj.weight", 2047, kBf16NaN, "NaN at element 2047"},
+      {"routed_expert_norm.weight", 31, kBf16NaN, "NaN at element 31"},
+      {"shared_experts.down_proj.weight", 1, kBf16NaN, "NaN at element 1"},
+  };
+  for (const Case& c : cases) {
+    const Broken b = LoadBroken(
+        "nan_gateway", TinyK3(),
+        [&](TestCheckpoint& ckpt) { Poison(ckpt, kL1 + c.tensor, c.element, c.code); }, true);
+    EXPECT_EQ(b.code, absl::StatusCode::kInvalidArgument) << c.tensor;
+    EXPECT_EQ(b.message_parts[0], BadValueMessage(b, kL1 + c.tensor, c.expected));
+  }
+  // FP8 dense weights and their block scales (K2).
+  const Broken fp8 = LoadBroken(
+      "nan_gateway_fp8", TinyK2Fp8(),
+      [](TestCheckpoint& ckpt) {
+        Poison(ckpt, "model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv", 5,
+               F32Bytes(NAN));
+      },
+      true);
+  EXPECT_EQ(fp8.code, absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(fp8.message_parts[0],
+            BadValueMessage(fp8, "model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv",
+                            "NaN at element 5"));
+}
+
+// Routed experts in every format that can hold a NaN: bf16 values, FP8 values and block
+// scales, MXFP4 E8M0 scales (E2M1 codes have none).
+TEST(CheckpointTest, NaNInAnExpertTensorIsRefused) {
+  const std::string k2 = "model.layers.1.mlp.experts.1.";
+  struct Case {
+    MoeConfig config;
+    std::string tensor;
+    int64_t element;
+    std::vector<uint8_t> code;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {TinyK3(), kL1 + "experts.1.w2.weight", 1000, kBf16NaN, "NaN at element 1000"},
+      {TinyK3(), kL1 + "experts.0.w1.weight", 0, kBf16MinusInf, "-Inf at element 0"},
+      {TinyK2Fp8(), k2 + "down_proj.weight", 5000, {0x7f}, "NaN (E4M3 0x7f) at element 5000"},
+      {TinyK2Fp8(), k2 + "gate_proj.weight", 65599, {0xff}, "NaN (E4M3 0xff) at element 65599"},
+      {TinyK2Fp8(), k2 + "up_proj.weight_scale_inv", 3, F32Bytes(NAN), "NaN at element 3"},
+      {TinyK3(WeightFormat::kMXFP4),
+       kL1 + "experts.1.w3.weight_scale",
+       17,
+       {0xff},
+       "NaN (E8M0 0xff) at element 17"},
+  };
+  for (const Case& c : cases) {
+    const Broken b = LoadBroken(
+        "nan_expert", c.config,
+        [&](TestCheckpoint& ckpt) { Poison(ckpt, c.tensor, c.element, c.code); }, false);
+    EXPECT_EQ(b.code, absl::StatusCode::kInvalidArgument) << c.tensor;
+    EXPECT_EQ(b.message_parts[0], BadValueMessage(b, c.tensor, c.expected));
+  }
+}
+
+TEST(CheckpointTest, ValueCheckOfExpertsCanBeTurnedOff) {
+  const std::string dir = FreshDir("nan_unchecked");
+  TestCheckpoint written(TinyK2Fp8());
+  Poison(written, "model.layers.1.mlp.experts.0.up_proj.weight", 9, {0x7f});
+  written.Write(dir, 1);
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->LoadExperts(1, {0}).status().code(), absl::StatusCode::kInvalidArgument);
+  ExpertLoadOptions unchecked;
+  unchecked.check_values = false;
+  EXPECT_TRUE((*ckpt)->LoadExperts(1, {0}, unchecked).ok());
+  // The other experts and the gateway's tensors are clean.
+  EXPECT_TRUE((*ckpt)->LoadExperts(1, {1, 2}).ok());
+  EXPECT_TRUE((*ckpt)->LoadGatewayLayer(1).ok());
+}
+
+// MXFP4 packed bytes 0x7f / 0xff are finite E2M1 pairs (6 and -6 with 3 and -3): they load.
+TEST(CheckpointTest, Mxfp4PackedCodesAreNeverNaN) {
+  const std::string dir = FreshDir("mxfp4_all_codes");
+  TestCheckpoint written(TinyK3(WeightFormat::kMXFP4));
+  Poison(written, kL1 + "experts.2.w1.weight_packed", 3, {0xff});
+  Poison(written, kL1 + "experts.2.w1.weight_packed", 4, {0x7f});
+  written.Write(dir, 1);
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto experts = (*ckpt)->LoadExperts(1, {2});
+  ASSERT_TRUE(experts.ok()) << experts.status();
+  // Row 0, byte 3: columns 6 and 7 are both -6 x scale; byte 4: column 8 is -6, 9 is +6.
+  const WeightMatrix& w1 = experts->experts[0].gate;
+  EXPECT_LT(Decode(w1, 0, 6), 0.0f);
+  EXPECT_EQ(Decode(w1, 0, 6), Decode(w1, 0, 7));
+  EXPECT_EQ(Decode(w1, 0, 8), Decode(w1, 0, 6));
+  EXPECT_EQ(Decode(w1, 0, 9), -Decode(w1, 0, 6));
+}
+
 TEST(CheckpointTest, ConcurrentLoadsShareLazilyOpenedShards) {
   const std::string dir = FreshDir("concurrent");
   TestCheckpoint written(TinyK3());
@@ -590,9 +735,11 @@ TEST(CheckpointTest, ConcurrentLoadsShareLazilyOpenedShards) {
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   std::vector<absl::StatusOr<ExpertShardWeights>> results(8, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
+  ExpertLoadOptions prefetch;
+  prefetch.prefetch = true;
   for (int i = 0; i < 8; ++i)
     threads.emplace_back([&, i] {
-      results[i] = (*ckpt)->LoadExperts(1 + i % 2, {0, 1, 2, 3}, true);
+      results[i] = (*ckpt)->LoadExperts(1 + i % 2, {0, 1, 2, 3}, prefetch);
     });
   for (auto& t : threads) t.join();
   for (int i = 0; i < 8; ++i) {

@@ -883,6 +883,20 @@ TEST(ParseMoeConfigErrorTest, HugeLayerCountDoesNotAllocate) {
   EXPECT_EQ(MessageOf(j), "OK");  // validated arithmetically, without listing the layers
 }
 
+// The error message quotes a wrongly typed value (dumped, recursively): nesting is bounded
+// while parsing, so a million '[' cannot overflow the stack.
+TEST(ParseMoeConfigErrorTest, DeeplyNestedValueIsRefused) {
+  const int depth = 1000000;
+  Json j = K2();
+  j["hidden_size"] = "PLACEHOLDER";  // "must be an integer, not array [[[[..." before the fix
+  std::string text = j.dump();
+  text.replace(text.find(R"("PLACEHOLDER")"), 13,
+               std::string(depth, '[') + std::string(depth, ']'));
+  const absl::StatusOr<MoeConfig> c = ParseMoeConfig(text);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.status().message(), "config.json: not valid JSON: nested deeper than 64 levels");
+}
+
 TEST(ParseMoeConfigErrorTest, UnsupportedQuantMethod) {
   Json j = K2();
   j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};

@@ -253,6 +253,40 @@ TEST_F(MalformedFileTest, NegativeShapeAndBadOffsets) {
   ExpectInvalid({"'w'", "data_offsets"});
 }
 
+// A million nested arrays parse iteratively but would overflow the stack when dumped (the
+// metadata of a non-string value is stored dumped): refused while parsing.
+TEST_F(MalformedFileTest, DeeplyNestedHeaderIsRefused) {
+  const int depth = 1000000;
+  WriteRaw(path_,
+           R"({"__metadata__": {"x": )" + std::string(depth, '[') + std::string(depth, ']') + "}}",
+           0);
+  ExpectInvalid({"header is not valid JSON: nested deeper than 64 levels"});
+  WriteRaw(path_, R"({"__metadata__": {"x": [[1, 2], {"a": [3]}]}})", 0);  // shallow is fine
+  auto file = SafetensorsFile::Open(path_);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->metadata().at("x"), R"([[1,2],{"a":[3]}])");
+}
+
+// The parser works on bytes, as SafetensorsFile::Open hands them over from the mapping.
+TEST(ParseSafetensorsHeaderTest, ParsesBytes) {
+  const std::string header = R"({"w": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}})";
+  std::vector<uint8_t> file(8 + header.size() + 3, 7);
+  for (int i = 0; i < 8; ++i) file[i] = static_cast<uint8_t>(header.size() >> (8 * i));
+  std::copy(header.begin(), header.end(), file.begin() + 8);
+  auto parsed = ParseSafetensorsHeader(file, "mem.safetensors");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->data_start, 8 + header.size());
+  ASSERT_EQ(parsed->tensors.count("w"), 1u);
+  EXPECT_EQ(parsed->tensors.at("w").size_bytes, 3u);
+  file.pop_back();
+  EXPECT_EQ(ParseSafetensorsHeader(file, "mem.safetensors").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      ParseSafetensorsHeader(absl::Span<const uint8_t>(), "mem.safetensors").status().message(),
+      "mem.safetensors: invalid safetensors file: file is 0 bytes, shorter than the 8-byte "
+      "header length");
+}
+
 TEST(SafetensorsFileTest, MissingFileIsNotFound) {
   auto file = SafetensorsFile::Open(::testing::TempDir() + "/does/not/exist.safetensors");
   EXPECT_EQ(file.status().code(), absl::StatusCode::kNotFound);

@@ -77,5 +77,21 @@ TEST(RequestValidationTest, RejectsBadInputWithPreciseCodes) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// [T, 2^62, H]: the token count stops at the limit instead of overflowing int64.
+TEST(RequestValidationTest, TokenCountCannotOverflow) {
+  moe::v1::ForwardRequest huge;
+  huge.set_layer(1);
+  huge.mutable_hidden_states()->set_dtype(moe::v1::FP32);
+  for (int64_t d : {int64_t{16}, int64_t{1} << 62, int64_t{8}})
+    huge.mutable_hidden_states()->add_shape(d);
+  const absl::Status s = ValidateForwardRequest(huge, kLimits).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(s.message(), "request has more tokens than the limit of 16 per request");
+  // The limit itself is still accepted, one more is not.
+  EXPECT_TRUE(ValidateForwardRequest(Request(1, {2, 8, 8}), kLimits).ok());
+  EXPECT_EQ(ValidateForwardRequest(Request(1, {17, 1, 8}), kLimits).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 }  // namespace
 }  // namespace moe

@@ -1,0 +1,54 @@
+// The gateway's public boundary: bytes -> moe.v1.ForwardRequest -> ValidateForwardRequest,
+// against the limits the gateway derives from the k3-mini model (hidden 640, MoE layers 1-2)
+// and its default --max-request-tokens.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "model/config.h"
+#include "server/gateway/request_validation.h"
+#include "tests/fuzz/fuzz_check.h"
+#include "tests/fuzz/quiet_protobuf.h"
+
+namespace {
+
+moe::RequestLimits K3MiniLimits() {
+  // The committed seed config: the embedded k3-mini model's config.json.
+  const char* const path = MOE_SOURCE_DIR "/tests/fuzz/corpus/config/k3-mini.json";
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  const absl::StatusOr<moe::MoeConfig> config = moe::ParseMoeConfig(text.str());
+  if (!config.ok()) {
+    std::fprintf(stderr, "%s: %s\n", path, config.status().ToString().c_str());
+    std::abort();
+  }
+  return moe::RequestLimits{config->hidden_size, /*max_request_tokens=*/4096,
+                            config->MoeLayerIndices()};
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const QuietProtobuf quiet;
+  static const moe::RequestLimits limits = K3MiniLimits();
+  moe::v1::ForwardRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  const absl::StatusOr<moe::ValidatedRequest> v = moe::ValidateForwardRequest(request, limits);
+  if (!v.ok()) {
+    FUZZ_CHECK_CODE(v.status(), absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound,
+                    absl::StatusCode::kResourceExhausted);
+    return 0;
+  }
+  // What reaches the batcher: a served layer, 1..limit tokens of finite values.
+  FUZZ_CHECK(v->tokens >= 1 && v->tokens <= limits.max_request_tokens);
+  FUZZ_CHECK(static_cast<int64_t>(v->input.values.size()) == v->tokens * limits.hidden_size);
+  for (float x : v->input.values) FUZZ_CHECK(std::isfinite(x));
+  FUZZ_CHECK(v->output_dtype == moe::v1::BF16 || v->output_dtype == moe::v1::FP16 ||
+             v->output_dtype == moe::v1::FP32);
+  return 0;
+}
