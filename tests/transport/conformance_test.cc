@@ -90,6 +90,23 @@ class Ranks {
   }
   CpuBackend& backend() { return backend_; }
 
+  // A rank process's loop: Receive, compute, Reply, until the transport ends.
+  void Serve(int rank, RankTransport& transport) {
+    Workspace workspace(&backend_);
+    for (;;) {
+      auto step = transport.Receive();
+      if (!step.ok()) return;
+      auto partial = workspace.Partial(0, step->rows.rows, step->rows.cols);
+      ASSERT_TRUE(partial.ok());
+      const absl::Status s =
+          Compute(step->layer, rank, step->rows, step->assignments, step->precision, *partial);
+      const absl::StatusOr<ConstPartialView> result =
+          s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
+                 : absl::StatusOr<ConstPartialView>(s);
+      if (!transport.Reply(step->step_id, result, RankStepStats{}).ok()) return;
+    }
+  }
+
  private:
   CpuBackend backend_{CpuBackendOptions{1, ""}};
   std::unique_ptr<Checkpoint> checkpoint_;
@@ -195,19 +212,7 @@ class GrpcHarness final : public Harness {
       rank_transports_[rank] = &transport;
       if (killed_[rank]) transport.Cancel();
     }
-    Workspace workspace(&ranks_.backend());
-    for (;;) {
-      auto step = transport.Receive();
-      if (!step.ok()) break;
-      auto partial = workspace.Partial(0, step->rows.rows, step->rows.cols);
-      ASSERT_TRUE(partial.ok());
-      const absl::Status s = ranks_.Compute(step->layer, rank, step->rows, step->assignments,
-                                            step->precision, *partial);
-      const absl::StatusOr<ConstPartialView> result =
-          s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
-                 : absl::StatusOr<ConstPartialView>(s);
-      if (!transport.Reply(step->step_id, result, RankStepStats{}).ok()) break;
-    }
+    ranks_.Serve(rank, transport);
     std::lock_guard<std::mutex> lock(mu_);
     rank_transports_[rank] = nullptr;
   }
@@ -286,19 +291,7 @@ class NcclHarness final : public Harness {
       rank_transports_[rank] = transport.get();
       if (killed_[rank]) transport->Cancel();
     }
-    Workspace workspace(&ranks_.backend());  // host memory: the emulator's device memory too
-    for (;;) {
-      auto step = transport->Receive();
-      if (!step.ok()) break;
-      auto partial = workspace.Partial(0, step->rows.rows, step->rows.cols);
-      ASSERT_TRUE(partial.ok());
-      const absl::Status s = ranks_.Compute(step->layer, rank, step->rows, step->assignments,
-                                            step->precision, *partial);
-      const absl::StatusOr<ConstPartialView> result =
-          s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
-                 : absl::StatusOr<ConstPartialView>(s);
-      if (!transport->Reply(step->step_id, result, RankStepStats{}).ok()) break;
-    }
+    ranks_.Serve(rank, *transport);  // host memory: the emulator's device memory too
     std::lock_guard<std::mutex> lock(mu_);
     rank_transports_[rank] = nullptr;
   }
