@@ -10,8 +10,8 @@
 
 namespace moe {
 
-absl::Status AccessControl::CheckConfiguration() const {
-  if (options_.cluster_token.empty() && !options_.control_mtls && !options_.insecure_cluster)
+absl::Status AccessControl::CheckConfiguration(const AccessOptions& options) {
+  if (options.cluster_token.empty() && !options.control_mtls && !options.insecure_cluster)
     return absl::FailedPreconditionError(
         "ranks would register unauthenticated: give --cluster-token-file FILE (the ranks get the "
         "same file), or --tls-cert/--tls-key/--tls-ca (mTLS), or --insecure-cluster when only "
@@ -23,8 +23,9 @@ grpc::Status AccessControl::Rank(const grpc::ServerContext& context, absl::strin
   // Under mTLS the handshake already refused peers without a CA-signed certificate; checked
   // again here so a misconfigured server can never accept one.
   if (options_.control_mtls && !context.auth_context()->IsPeerAuthenticated())
-    return Refuse(context, "control", method,
-                  grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"));
+    return Refuse(
+        context, "control", method,
+        grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"));
   grpc::Status s = CheckToken(context, options_.cluster_token, "cluster token");
   return s.ok() ? s : Refuse(context, "control", method, s);
 }
@@ -43,8 +44,9 @@ grpc::Status AccessControl::Admin(const grpc::ServerContext& context, absl::stri
   if (s.ok()) return s;
   return Refuse(context, "admin", method,
                 grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                             absl::StrCat(s.error_message(), ": MoeDiagnostics needs the admin "
-                                                             "token (--admin-token-file)")));
+                             absl::StrCat(s.error_message(),
+                                          ": MoeDiagnostics needs the admin "
+                                          "token (--admin-token-file)")));
 }
 
 grpc::Status AccessControl::Refuse(const grpc::ServerContext& context, absl::string_view plane,
@@ -59,11 +61,11 @@ grpc::Status AccessControl::Refuse(const grpc::ServerContext& context, absl::str
   }
   // The peer string comes from the transport, the method from our own tables: nothing the
   // caller chose verbatim reaches the log except through CHexEscape.
-  std::fprintf(stderr, "moe-gateway: refused %s call %s from %s: %s%s\n", std::string(plane).c_str(),
-               std::string(method).c_str(), absl::CHexEscape(context.peer()).c_str(),
-               status.error_message().c_str(),
-               unlogged_ > 0 ? absl::StrCat(" (", unlogged_, " more refusals not logged)").c_str()
-                             : "");
+  std::fprintf(
+      stderr, "moe-gateway: refused %s call %s from %s: %s%s\n", std::string(plane).c_str(),
+      std::string(method).c_str(), absl::CHexEscape(context.peer()).c_str(),
+      status.error_message().c_str(),
+      unlogged_ > 0 ? absl::StrCat(" (", unlogged_, " more refusals not logged)").c_str() : "");
   std::fflush(stderr);
   last_log_ = now;
   unlogged_ = 0;

@@ -34,7 +34,7 @@ class AccessControl {
       : options_(std::move(options)), metrics_(metrics) {}
 
   // FAILED_PRECONDITION when ranks would join unauthenticated without --insecure-cluster.
-  absl::Status CheckConfiguration() const;
+  static absl::Status CheckConfiguration(const AccessOptions& options);
 
   grpc::Status Rank(const grpc::ServerContext& context, absl::string_view method);
   grpc::Status Caller(const grpc::ServerContext& context, absl::string_view method);

@@ -48,9 +48,8 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   RETURN_IF_ERROR(CheckTlsFiles(options.tls, /*server=*/true));
   AccessOptions access = options.access;
   access.control_mtls = options.tls.mutual();
+  RETURN_IF_ERROR(AccessControl::CheckConfiguration(access));
   std::unique_ptr<Gateway> gateway(new Gateway(options));
-  gateway->access_ = std::make_unique<AccessControl>(access, nullptr);
-  RETURN_IF_ERROR(gateway->access_->CheckConfiguration());
   ASSIGN_OR_RETURN(gateway->checkpoint_, Checkpoint::Open(options.checkpoint));
   const MoeConfig& config = gateway->checkpoint_->config();
   std::vector<int> layers = options.layers;
@@ -267,12 +266,15 @@ int64_t Gateway::ControlMessageLimit() const {
 }
 
 std::vector<int> Gateway::ExpertsWithoutLiveReplica() const {
+  // Asked on every request (ready()): one look at each rank, not one per replica.
+  std::vector<bool> live(options_.num_ranks);
+  for (int r = 0; r < options_.num_ranks; ++r) live[r] = transport_->IsUp(r);
   std::vector<int> missing;
   const ExpertPlacement& placement = engine_->placement();
   for (int e = 0; e < placement.num_experts; ++e) {
-    bool live = false;
-    for (const auto& replica : placement.replicas[e]) live = live || transport_->IsUp(replica.rank);
-    if (!live) missing.push_back(e);
+    bool covered = false;
+    for (const auto& replica : placement.replicas[e]) covered = covered || live[replica.rank];
+    if (!covered) missing.push_back(e);
   }
   return missing;
 }
