@@ -24,13 +24,13 @@
 #include "absl/strings/str_join.h"
 #include "client/moe_client.h"
 #include "core/flags.h"
-#include "security/credentials.h"
-#include "security/tokens.h"
 #include "core/npy.h"
 #include "core/status.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
+#include "security/credentials.h"
+#include "security/tokens.h"
 
 namespace moe {
 namespace {

@@ -25,7 +25,7 @@ struct TlsFiles {
   // Channels only: the name the server's certificate must carry, when it differs from the
   // target's host (connecting by IP to a certificate issued for a DNS name).
   std::string server_name;
-  bool tls = false;  // channels only: TLS with the system's roots when no file is given
+  bool tls = false;       // channels only: TLS with the system's roots when no file is given
   int64_t reload_s = 10;  // how often the files are re-read
 
   bool server_enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
@@ -43,8 +43,7 @@ void AddTlsFlags(Flags& flags, TlsFiles* files, bool server);
 absl::Status CheckTlsFiles(const TlsFiles& files, bool server);
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const TlsFiles& files);
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
-    const TlsFiles& files);
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(const TlsFiles& files);
 // The channel arguments TLS needs (the server-name override), added to `args`.
 void AddTlsChannelArgs(const TlsFiles& files, grpc::ChannelArguments* args);
 

@@ -24,11 +24,13 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
     return absl::InvalidArgumentError(
         absl::StrCat("token file ", path, " is longer than ", kMaxTokenBytes, " bytes"));
   std::string token(absl::StripAsciiWhitespace(content));
-  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("token file ", path, " is empty"));
+  if (token.empty())
+    return absl::InvalidArgumentError(absl::StrCat("token file ", path, " is empty"));
   for (char c : token)
     if (c < 0x21 || c > 0x7e)  // gRPC metadata values must be printable ASCII
       return absl::InvalidArgumentError(absl::StrCat(
-          "token file ", path, " holds a non-printable or space character (use e.g. `openssl rand -hex 32`)"));
+          "token file ", path,
+          " holds a non-printable or space character (use e.g. `openssl rand -hex 32`)"));
   return token;
 }
 

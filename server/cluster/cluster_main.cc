@@ -34,8 +34,8 @@
 #include "absl/time/time.h"
 #include "core/flags.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "security/credentials.h"
 #include "grpcpp/grpcpp.h"
+#include "security/credentials.h"
 #include "server/cluster/process_group.h"
 
 namespace moe {
@@ -59,8 +59,8 @@ struct ClusterOptions {
   std::string checkpoint;
   int ranks = 0;
   int port = 50051;
-  int control_port = 0;  // 0: port + 1
-  int metrics_port = 0;  // 0: no metrics flags
+  int control_port = 0;            // 0: port + 1
+  int metrics_port = 0;            // 0: no metrics flags
   std::string cluster_token_file;  // "": one is made for the run
   TlsFiles tls;
   std::string host = "127.0.0.1";
@@ -422,8 +422,7 @@ int Cluster::Run() {
     return 1;
   }
   const std::string connect_address = HostPort(ConnectHost(options_.host), options_.port);
-  const std::string control_address =
-      HostPort(ConnectHost(options_.host), options_.control_port);
+  const std::string control_address = HostPort(ConnectHost(options_.host), options_.control_port);
   const absl::Time ready_deadline = absl::Now() + absl::Seconds(options_.ready_timeout_s);
   auto not_ready = [&](absl::string_view what) {
     Log(absl::StrCat("not ready after ", options_.ready_timeout_s, " s (--ready-timeout-s): ", what,
@@ -443,9 +442,9 @@ int Cluster::Run() {
                                  std::to_string(options_.control_port), "--cluster-token-file",
                                  options_.cluster_token_file});
   auto tls_flags = [&](std::vector<std::string>& argv) {
-    for (const auto& [flag, value] : {std::pair{"--tls-cert", options_.tls.cert},
-                                      std::pair{"--tls-key", options_.tls.key},
-                                      std::pair{"--tls-ca", options_.tls.ca}})
+    for (const auto& [flag, value] :
+         {std::pair{"--tls-cert", options_.tls.cert}, std::pair{"--tls-key", options_.tls.key},
+          std::pair{"--tls-ca", options_.tls.ca}})
       if (!value.empty()) argv.insert(argv.end(), {flag, value});
   };
   tls_flags(gateway);
@@ -516,7 +515,8 @@ int Cluster::Run() {
       case Event::kDeadline:
         if (absl::Now() >= next_restart) {
           if (!RestartDueRanks()) return StopAll(1);
-          if (!ready) probe_ = std::make_unique<HealthProbe>(connect_address, options_.tls, ready_fd_);
+          if (!ready)
+            probe_ = std::make_unique<HealthProbe>(connect_address, options_.tls, ready_fd_);
           break;
         }
         return not_ready(absl::StrCat("gateway health check: ",
@@ -528,8 +528,8 @@ int Cluster::Run() {
 // A 0700 directory holding a 0600 file of 32 random bytes in hex; returns the directory.
 absl::StatusOr<std::string> MakeTokenDir() {
   const char* tmp = getenv("TMPDIR");
-  std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
-                                     "/moe-cluster-XXXXXX");
+  std::string pattern =
+      absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/moe-cluster-XXXXXX");
   if (mkdtemp(pattern.data()) == nullptr)
     return absl::InternalError(absl::StrCat("mkdtemp ", pattern, ": ", strerror(errno)));
   unsigned char bytes[32];
@@ -544,8 +544,8 @@ absl::StatusOr<std::string> MakeTokenDir() {
   for (unsigned char b : bytes) absl::StrAppend(&token, absl::Hex(b, absl::kZeroPad2));
   const std::string path = pattern + "/cluster-token";
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  const bool written = fd >= 0 && write(fd, token.data(), token.size()) ==
-                                      static_cast<ssize_t>(token.size());
+  const bool written =
+      fd >= 0 && write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
   if (fd >= 0) close(fd);
   if (!written) {
     unlink(path.c_str());
@@ -573,8 +573,9 @@ int Main(int argc, char** argv) {
             "gateway control port the ranks register on (0: --port + 1)");
   flags.String("cluster-token-file", &options.cluster_token_file,
                "cluster token for the gateway and the ranks (default: a random one for this run)");
-  flags.String("tls-cert", &options.tls.cert, "PEM certificate: the gateway's identity, and the "
-                                              "ranks' under mTLS (so valid for both uses)");
+  flags.String("tls-cert", &options.tls.cert,
+               "PEM certificate: the gateway's identity, and the "
+               "ranks' under mTLS (so valid for both uses)");
   flags.String("tls-key", &options.tls.key, "PEM private key of --tls-cert");
   flags.String("tls-ca", &options.tls.ca,
                "PEM CA bundle that signed --tls-cert: trust for ranks and health probe, and "
@@ -629,9 +630,9 @@ int Main(int argc, char** argv) {
     return usage_error(absl::StrCat("--control-port must be in 1..65535 and differ from --port"));
   if (options.metrics_port != 0 && options.control_port >= options.metrics_port &&
       options.control_port <= options.metrics_port + options.ranks)
-    return usage_error(absl::StrCat("--metrics-port: ports ", options.metrics_port, "..",
-                                    options.metrics_port + options.ranks, " include the control port ",
-                                    options.control_port, " (set --control-port)"));
+    return usage_error(absl::StrCat(
+        "--metrics-port: ports ", options.metrics_port, "..", options.metrics_port + options.ranks,
+        " include the control port ", options.control_port, " (set --control-port)"));
   if (!options.tls.cert.empty() && options.tls.ca.empty())
     return usage_error("--tls-cert needs --tls-ca: the ranks must trust the gateway's certificate");
   if (absl::Status s = CheckTlsFiles(options.tls, /*server=*/true); !s.ok())

@@ -225,12 +225,11 @@ TEST_F(ClusterTest, StartsGatewayAndRanksReportsReadyAndStopsOnSigterm) {
   ASSERT_EQ(gateway_argv.size(), 18u) << Stderr();
   const std::string token_file = gateway_argv[15];
   EXPECT_EQ(gateway_argv,
-            (std::vector<std::string>{"--checkpoint", "/ckpt/k3-mini", "--port",
-                                      std::to_string(port_), "--ranks", "2", "--metrics-port",
-                                      std::to_string(metrics), "--host", "127.0.0.1",
-                                      "--drain-timeout-s", "30", "--control-port",
-                                      std::to_string(port_ + 1), "--cluster-token-file", token_file,
-                                      "--serve-after-ms", "300"}));
+            (std::vector<std::string>{
+                "--checkpoint", "/ckpt/k3-mini", "--port", std::to_string(port_), "--ranks", "2",
+                "--metrics-port", std::to_string(metrics), "--host", "127.0.0.1",
+                "--drain-timeout-s", "30", "--control-port", std::to_string(port_ + 1),
+                "--cluster-token-file", token_file, "--serve-after-ms", "300"}));
   struct stat file_stat, dir_stat;
   ASSERT_EQ(stat(token_file.c_str(), &file_stat), 0) << token_file;
   ASSERT_EQ(stat(token_file.substr(0, token_file.rfind('/')).c_str(), &dir_stat), 0);
@@ -240,11 +239,10 @@ TEST_F(ClusterTest, StartsGatewayAndRanksReportsReadyAndStopsOnSigterm) {
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(WaitForFile(absl::StrCat(dir_, "/rank-", i, ".pid")));
     EXPECT_EQ(ReadLines(absl::StrCat(dir_, "/rank-", i, ".argv")),
-              (std::vector<std::string>{"--gateway", absl::StrCat("127.0.0.1:", port_ + 1),
-                                        "--rank", std::to_string(i), "--cluster-token-file",
-                                        token_file, "--threads", "3", "--metrics-port",
-                                        std::to_string(metrics + 1 + i), "--metrics-host",
-                                        "127.0.0.1"}));
+              (std::vector<std::string>{
+                  "--gateway", absl::StrCat("127.0.0.1:", port_ + 1), "--rank", std::to_string(i),
+                  "--cluster-token-file", token_file, "--threads", "3", "--metrics-port",
+                  std::to_string(metrics + 1 + i), "--metrics-host", "127.0.0.1"}));
   }
   const pid_t gateway = ReadPid(dir_ + "/gateway.pid");
   const pid_t rank0 = ReadPid(dir_ + "/rank-0.pid");

@@ -47,7 +47,12 @@ class MetricsServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     registry_ = std::make_shared<prometheus::Registry>();
-    prometheus::BuildCounter().Name("moe_test_total").Help("test").Register(*registry_).Add({}).Increment(3);
+    prometheus::BuildCounter()
+        .Name("moe_test_total")
+        .Help("test")
+        .Register(*registry_)
+        .Add({})
+        .Increment(3);
     // One thread requested, as a rank asks for: the server keeps kMinThreads workers anyway.
     auto server = MetricsServer::Start(registry_, "127.0.0.1:0", 1);
     ASSERT_TRUE(server.ok()) << server.status();

@@ -105,9 +105,12 @@ class SecurityTest : public ::testing::Test {
   std::unique_ptr<testing::ChildProcess> StartRank(LocalCluster& cluster, int rank,
                                                    std::vector<std::string> flags,
                                                    const std::string& log_name, bool once = true) {
-    std::vector<std::string> argv = {testing::BinaryPath("moe-rank"), "--gateway",
-                                     cluster.control_target(),        "--rank",
-                                     std::to_string(rank),            "--threads",
+    std::vector<std::string> argv = {testing::BinaryPath("moe-rank"),
+                                     "--gateway",
+                                     cluster.control_target(),
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--threads",
                                      "1"};
     if (once) argv.insert(argv.end(), {"--exit-on-disconnect", "--connect-timeout-s", "3"});
     argv.insert(argv.end(), flags.begin(), flags.end());

@@ -29,8 +29,9 @@ struct CallResult {
 };
 
 inline CallResult Call(moe::v1::MoeService::Stub& stub, int layer, const std::vector<float>& x,
-                std::vector<int64_t> shape, absl::Duration timeout = absl::Seconds(60),
-                moe::v1::DType dtype = moe::v1::FP32, grpc::ClientContext* context_in = nullptr) {
+                       std::vector<int64_t> shape, absl::Duration timeout = absl::Seconds(60),
+                       moe::v1::DType dtype = moe::v1::FP32,
+                       grpc::ClientContext* context_in = nullptr) {
   moe::v1::ForwardRequest request;
   request.set_layer(layer);
   request.set_return_routing(true);
