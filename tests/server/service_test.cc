@@ -448,7 +448,7 @@ TEST(ServiceTest, AStreamThatStopsReadingNeverDelaysOtherCallers) {
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   const auto x = RandomInput(64, 640, 41);
   CallLatencies(cluster, x, 3);  // warm up
-  const absl::Duration before = Percentile(CallLatencies(cluster, x, 20), 0.99);
+  const std::vector<absl::Duration> before = CallLatencies(cluster, x, 20);
 
   // 40 requests of 64 tokens (164 KB of fp32 output each), none of the responses read yet.
   grpc::ClientContext stream_context;
@@ -467,11 +467,17 @@ TEST(ServiceTest, AStreamThatStopsReadingNeverDelaysOtherCallers) {
   ASSERT_TRUE(stream->WritesDone());
   absl::SleepFor(absl::Milliseconds(500));  // the gateway has run them; the outbox is stuck
 
-  const absl::Duration during = Percentile(CallLatencies(cluster, x, 20), 0.99);
-  // 2x, plus 50 ms for a loaded 2-core host's scheduling noise at these small figures (a
-  // blocked layer shows as seconds, or DEADLINE_EXCEEDED).
-  EXPECT_LE(during, 2 * before + absl::Milliseconds(50))
-      << "p99 before " << before << ", with the stalled stream " << during;
+  const std::vector<absl::Duration> during = CallLatencies(cluster, x, 20);
+  // Medians within 2x (plus 25 ms of a loaded 2-core host's scheduling noise): the p99 of 20
+  // calls is their slowest one, which one descheduling on a shared CI host decides. A layer
+  // blocked behind the stalled stream shows as seconds, or DEADLINE_EXCEEDED after 10 s, so the
+  // slowest call gets a bound of its own far from both.
+  const absl::Duration median_before = Percentile(before, 0.5);
+  const absl::Duration median_during = Percentile(during, 0.5);
+  const absl::Duration slowest_during = Percentile(during, 1.0);
+  EXPECT_LE(median_during, 2 * median_before + absl::Milliseconds(25))
+      << "median before " << median_before << ", with the stalled stream " << median_during;
+  EXPECT_LT(slowest_during, absl::Seconds(1)) << "a call waited behind the stalled stream";
 
   // Now read: every request is answered, in full or with the precise refusal.
   const auto want = InProcess(dir, 1).Forward(x);
@@ -496,9 +502,11 @@ TEST(ServiceTest, AStreamThatStopsReadingNeverDelaysOtherCallers) {
   EXPECT_GE(ok, 1);
   EXPECT_GE(refused, 1) << "a 1 MiB buffer cannot hold 40 x 164 KB";
   std::printf(
-      "p99 of 64-token calls: %.1f ms before, %.1f ms beside the stalled stream; "
+      "64-token calls: median %.1f ms before, %.1f ms beside the stalled stream (slowest "
+      "%.1f ms); "
       "stream: %d answered, %d refused\n",
-      absl::ToDoubleMilliseconds(before), absl::ToDoubleMilliseconds(during), ok, refused);
+      absl::ToDoubleMilliseconds(median_before), absl::ToDoubleMilliseconds(median_during),
+      absl::ToDoubleMilliseconds(slowest_during), ok, refused);
 }
 
 // Head-of-line blocking: a 4096-token request is split into steps of --max-tokens-per-step,
