@@ -82,7 +82,8 @@ MoeClient::MoeClient(std::string target, const ClientOptions& options,
     : target_(std::move(target)),
       options_(options),
       channel_(std::move(channel)),
-      stub_(moe::v1::MoeService::NewStub(channel_)) {}
+      stub_(moe::v1::MoeService::NewStub(channel_)),
+      diagnostics_(moe::v1::MoeDiagnostics::NewStub(channel_)) {}
 
 absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Connect(const std::string& target,
                                                               const ClientOptions& options) {
@@ -138,6 +139,31 @@ absl::StatusOr<moe::v1::ModelInfo> MoeClient::GetModelInfo(absl::Duration timeou
   RETURN_IF_ERROR(
       FromGrpcStatus(stub_->GetModelInfo(&context, moe::v1::GetModelInfoRequest(), &info)));
   return info;
+}
+
+absl::StatusOr<moe::v1::PlacementAdvice> MoeClient::GetPlacementAdvice(int layer,
+                                                                       int redundant_experts,
+                                                                       absl::Duration timeout) {
+  grpc::ClientContext context;
+  Prepare(&context, timeout);
+  moe::v1::GetPlacementAdviceRequest request;
+  request.set_layer(layer);
+  request.set_redundant_experts(redundant_experts);
+  moe::v1::PlacementAdvice advice;
+  RETURN_IF_ERROR(FromGrpcStatus(diagnostics_->GetPlacementAdvice(&context, request, &advice)));
+  return advice;
+}
+
+absl::StatusOr<moe::v1::ApplyPlacementResponse> MoeClient::ApplyPlacement(
+    const std::string& placement, const std::string& source, absl::Duration timeout) {
+  grpc::ClientContext context;
+  Prepare(&context, timeout);
+  moe::v1::ApplyPlacementRequest request;
+  request.set_placement(placement);
+  request.set_source(source);
+  moe::v1::ApplyPlacementResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(diagnostics_->ApplyPlacement(&context, request, &response)));
+  return response;
 }
 
 absl::StatusOr<bool> MoeClient::IsServing(const std::string& service, absl::Duration timeout) {

@@ -110,6 +110,15 @@ class MoeClient {
 
   absl::StatusOr<moe::v1::ModelInfo> GetModelInfo(absl::Duration timeout = absl::Seconds(10));
 
+  // MoeDiagnostics (the gateway's admin token, when it has one, as ClientOptions::token).
+  absl::StatusOr<moe::v1::PlacementAdvice> GetPlacementAdvice(
+      int layer, int redundant_experts, absl::Duration timeout = absl::Seconds(30));
+  // Live re-placement; `placement` in the --placement file format. Loading the new experts may
+  // take minutes on a real model: give it a `timeout` to match.
+  absl::StatusOr<moe::v1::ApplyPlacementResponse> ApplyPlacement(const std::string& placement,
+                                                                 const std::string& source,
+                                                                 absl::Duration timeout);
+
   // grpc.health.v1.Health/Check: true for SERVING, false for NOT_SERVING / UNKNOWN; an RPC
   // failure (server down, unknown service = NOT_FOUND) is an error.
   absl::StatusOr<bool> IsServing(const std::string& service = "",
@@ -133,6 +142,7 @@ class MoeClient {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::MoeService::Stub> stub_;
+  std::unique_ptr<moe::v1::MoeDiagnostics::Stub> diagnostics_;
 };
 
 // Many requests on one ForwardStream. The server serves them concurrently and answers in any

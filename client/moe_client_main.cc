@@ -12,9 +12,11 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,6 +45,7 @@ constexpr char kUsage[] =
     "  health    grpc.health.v1 check: prints SERVING / NOT_SERVING, exit 0 only when serving\n"
     "  info      the served model (layers, sizes, formats, ranks)\n"
     "  load      concurrent callers, latency percentiles and throughput\n"
+    "  placement EPLB placement advice from the traffic so far; --apply changes it live\n"
     "\n"
     "`moe-client <command> --help` lists the command's flags. Exit codes: 0 ok, 1 RPC or\n"
     "runtime failure (message on stderr), 2 usage error.\n";
@@ -625,6 +628,88 @@ int RunLoad(int argc, char** argv) {
   return 0;
 }
 
+// ---- placement -------------------------------------------------------------------------------
+
+int RunPlacement(int argc, char** argv) {
+  std::string target, out, from;
+  int64_t layer = -1, redundant = 0, timeout_s = 1800;
+  bool apply = false;
+  Flags flags(
+      "usage: moe-client placement --target HOST:PORT [--layer L] [--redundant N] [--out FILE]\n"
+      "       [--apply] | --from FILE --apply\n\n"
+      "Asks the gateway for the EPLB placement that balances layer L's traffic so far over the\n"
+      "ranks (N extra replicas), prints its predicted balancedness and the placement (or writes\n"
+      "it to --out: a moe-gateway --placement file). --apply installs it live, as does\n"
+      "--from FILE with a placement file of your own. Needs the gateway's admin token\n"
+      "(--token-file) or a gateway started with --allow-placement-changes.");
+  flags.String("target", &target, "server address HOST:PORT");
+  Connection connection;
+  connection.AddFlags(flags);
+  flags.Int("layer", &layer, "the layer whose traffic to balance (default: the first served)");
+  flags.Int("redundant", &redundant, "extra expert replicas to place (DeepSeek EPLB)");
+  flags.String("out", &out, "write the placement file here instead of printing it");
+  flags.String("from", &from, "apply this placement file instead of asking for advice");
+  flags.Bool("apply", &apply, "install the placement on the running gateway");
+  flags.Int("timeout-s", &timeout_s, "deadline of --apply (ranks load their new experts)");
+  flags.Require("target");
+  flags.ParseOrExit(argc, argv, 2);
+  if (redundant < 0) return UsageError("--redundant must be >= 0");
+  if (timeout_s <= 0) return UsageError("--timeout-s must be > 0");
+  if (!from.empty() && !apply) return UsageError("--from needs --apply");
+  if (!from.empty() && (flags.WasSet("layer") || flags.WasSet("redundant") || !out.empty()))
+    return UsageError("--from takes no --layer, --redundant or --out");
+
+  int exit_code = 0;
+  absl::StatusOr<std::unique_ptr<MoeClient>> client =
+      ConnectOrExitCode(target, connection, &exit_code);
+  if (!client.ok()) return exit_code;
+  std::string placement;
+  if (!from.empty()) {
+    std::ifstream in(from);
+    if (!in) return UsageError(absl::StrCat("cannot read ", from));
+    std::stringstream text;
+    text << in.rdbuf();
+    placement = text.str();
+  } else {
+    if (layer < 0) {
+      absl::StatusOr<moe::v1::ModelInfo> info = (*client)->GetModelInfo();
+      if (!info.ok()) return Fail(info.status());
+      if (info->layers().empty()) return Fail(absl::FailedPreconditionError("no layers served"));
+      layer = info->layers(0);
+    }
+    absl::StatusOr<moe::v1::PlacementAdvice> advice =
+        (*client)->GetPlacementAdvice(static_cast<int>(layer), static_cast<int>(redundant));
+    if (!advice.ok()) return Fail(advice.status());
+    std::fprintf(stderr,
+                 "layer %d: rank balancedness %.3f now, %.3f predicted with %lld extra "
+                 "replicas\n",
+                 advice->layer(), advice->current_balancedness(), advice->predicted_balancedness(),
+                 static_cast<long long>(redundant));
+    placement = advice->placement();
+    if (!out.empty()) {
+      std::ofstream file(out);
+      file << placement;
+      if (!file.good()) return Fail(absl::InternalError(absl::StrCat("cannot write ", out)));
+    } else if (!apply) {
+      std::fputs(placement.c_str(), stdout);
+    }
+  }
+  if (!apply) return 0;
+  absl::StatusOr<moe::v1::ApplyPlacementResponse> applied = (*client)->ApplyPlacement(
+      placement,
+      from.empty() ? "moe-client placement --apply" : absl::StrCat("moe-client --from ", from),
+      absl::Seconds(timeout_s));
+  if (!applied.ok()) return Fail(applied.status());
+  std::vector<int32_t> loaded(applied->ranks_loaded().begin(), applied->ranks_loaded().end());
+  std::vector<int32_t> down(applied->ranks_down().begin(), applied->ranks_down().end());
+  std::printf(
+      "placement generation %llu serving after %.3f s (slowest rank loaded in %.3f s); ranks "
+      "loaded: %s; down (load on return): %s\n",
+      static_cast<unsigned long long>(applied->generation()), applied->seconds(),
+      applied->load_seconds(), Ranges(loaded).c_str(), Ranges(down).c_str());
+  return 0;
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -642,6 +727,7 @@ int main(int argc, char** argv) {
   if (command == "health") return moe::RunHealth(argc, argv);
   if (command == "info") return moe::RunInfo(argc, argv);
   if (command == "load") return moe::RunLoad(argc, argv);
+  if (command == "placement") return moe::RunPlacement(argc, argv);
   std::fprintf(stderr, "moe-client: unknown command '%s'\n\n%s", command.c_str(), moe::kUsage);
   return 2;
 }

@@ -1,5 +1,6 @@
 #include "engine/step_engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -28,13 +29,15 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(
   std::unique_ptr<StepEngine> engine(new StepEngine());
   engine->config_ = checkpoint.config();
   engine->precision_ = precision;
-  engine->placement_ = std::move(placement);
   engine->backend_ = backend;
   engine->transport_ = transport;
-  if (engine->placement_.num_experts != engine->config_.routing.num_experts)
-    return absl::InvalidArgumentError(
-        absl::StrCat("placement covers ", engine->placement_.num_experts,
-                     " experts, the model has ", engine->config_.routing.num_experts));
+  if (placement.num_experts != engine->config_.routing.num_experts)
+    return absl::InvalidArgumentError(absl::StrCat("placement covers ", placement.num_experts,
+                                                   " experts, the model has ",
+                                                   engine->config_.routing.num_experts));
+  engine->rank_generations_.assign(placement.num_ranks(), {1});
+  engine->placement_ =
+      std::make_shared<const PlacementGeneration>(PlacementGeneration{1, std::move(placement)});
   for (int layer : layers) {
     auto state = std::make_unique<LayerState>();
     ASSIGN_OR_RETURN(GatewayLayerWeights weights, checkpoint.LoadGatewayLayer(layer));
@@ -44,6 +47,43 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(
     engine->layers_[layer] = std::move(state);
   }
   return engine;
+}
+
+std::shared_ptr<const PlacementGeneration> StepEngine::placement() const {
+  std::lock_guard<std::mutex> lock(placement_mu_);
+  return placement_;
+}
+
+std::shared_ptr<const PlacementGeneration> StepEngine::SwitchPlacement(ExpertPlacement next) {
+  std::lock_guard<std::mutex> lock(placement_mu_);
+  auto previous = placement_;
+  placement_ = std::make_shared<const PlacementGeneration>(
+      PlacementGeneration{previous->generation + 1, std::move(next)});
+  return previous;
+}
+
+void StepEngine::SetRankGenerations(int rank, std::vector<uint64_t> generations) {
+  std::lock_guard<std::mutex> lock(placement_mu_);
+  if (rank >= 0 && rank < static_cast<int>(rank_generations_.size()))
+    rank_generations_[rank] = std::move(generations);
+}
+
+void StepEngine::AddRankGeneration(int rank, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(placement_mu_);
+  if (rank < 0 || rank >= static_cast<int>(rank_generations_.size())) return;
+  auto& held = rank_generations_[rank];
+  if (std::find(held.begin(), held.end(), generation) == held.end()) held.push_back(generation);
+}
+
+bool StepEngine::RankHolds(int rank, uint64_t generation) const {
+  std::lock_guard<std::mutex> lock(placement_mu_);
+  if (rank < 0 || rank >= static_cast<int>(rank_generations_.size())) return false;
+  const auto& held = rank_generations_[rank];
+  return std::find(held.begin(), held.end(), generation) != held.end();
+}
+
+bool StepEngine::RankServes(int rank) const {
+  return transport_->RankUp(rank) && RankHolds(rank, placement()->generation);
 }
 
 std::vector<int> StepEngine::layers() const {
@@ -94,7 +134,10 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   }
   Workspace& ws = *state.workspace;
   const int64_t H = config_.hidden_size, D = config_.expert_input_size();
-  const int R = placement_.num_ranks();
+  // The step's placement, held to its end (a re-placement waits for it before the ranks drop
+  // this generation's experts).
+  const std::shared_ptr<const PlacementGeneration> placement = this->placement();
+  const int R = placement->placement.num_ranks();
   const absl::Time t0 = absl::Now();
   StepStats stats;
   stats.layer = layer;
@@ -118,7 +161,8 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   // to live replicas of the same experts, until its deadline; the result is the same bits
   // whichever replica computes an expert (fp64 combine).
   std::vector<bool> live(R);
-  for (int r = 0; r < R; ++r) live[r] = transport_->RankUp(r);
+  for (int r = 0; r < R; ++r)
+    live[r] = transport_->RankUp(r) && RankHolds(r, placement->generation);
   ASSIGN_OR_RETURN(MatrixView shared, ws.Matrix(kShared, tokens, H));
   ASSIGN_OR_RETURN(PartialView combined, ws.Partial(kCombined, tokens, D));
   stats.rank_active_experts.assign(R, 0);
@@ -131,7 +175,7 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   int bad_rank = -1;  // the first rank whose partial sums were not finite (host backends)
   absl::Time t_sent = t_routed, t_collected = t_routed;
   for (int attempt = 0;; ++attempt) {
-    absl::StatusOr<DispatchPlan> built = DispatchPlan::Build(routing, placement_, &live);
+    absl::StatusOr<DispatchPlan> built = DispatchPlan::Build(routing, placement->placement, &live);
     if (!built.ok()) {
       // After a failed attempt, say both what failed and why the step cannot go elsewhere.
       status = attempt == 0 ? built.status()
@@ -144,6 +188,7 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
     dispatch.step_id = attempt == 0 ? stats.step_id : next_step_id_.fetch_add(1);
     dispatch.layer = layer;
     dispatch.precision = precision;
+    dispatch.placement_generation = placement->generation;
     stats.rank_rows.assign(R, 0);
     for (int r = 0; r < R; ++r) {
       const RankDispatch& rd = plan.ranks[r];

@@ -49,6 +49,13 @@ class StepObserver {
   virtual bool WantsRouterScores() const { return false; }
 };
 
+// An expert placement and its generation: 1 at start, +1 per live re-placement. Steps are
+// planned with a snapshot (shared_ptr) taken as they start, so a switch happens between steps.
+struct PlacementGeneration {
+  uint64_t generation = 1;
+  ExpertPlacement placement;
+};
+
 class StepEngine {
  public:
   // Loads the gateway tensors of `layers` and prepares them on `backend`.
@@ -60,7 +67,19 @@ class StepEngine {
 
   const MoeConfig& config() const { return config_; }
   Precision precision() const { return precision_; }
-  const ExpertPlacement& placement() const { return placement_; }
+  // The placement steps start with now.
+  std::shared_ptr<const PlacementGeneration> placement() const;
+  // Switches the steps that start from now on to `next` (generation = the current one + 1) and
+  // returns the previous one: steps in flight hold it until they end, so once the caller's
+  // weak reference expires no step uses it. Only ranks holding the new generation get rows.
+  std::shared_ptr<const PlacementGeneration> SwitchPlacement(ExpertPlacement next);
+  // Which placement generations rank `rank` has loaded (every rank starts with generation 1).
+  // A rank gets rows only while it holds the generation the step was planned with.
+  void SetRankGenerations(int rank, std::vector<uint64_t> generations);
+  void AddRankGeneration(int rank, uint64_t generation);
+  bool RankHolds(int rank, uint64_t generation) const;
+  // Up (as far as the transport knows) and holding the current generation.
+  bool RankServes(int rank) const;
   std::vector<int> layers() const;
   bool Serves(int layer) const { return layers_.count(layer) > 0; }
   GatewayLayer* layer(int index);
@@ -95,7 +114,9 @@ class StepEngine {
 
   MoeConfig config_;
   Precision precision_ = Precision::kBF16;
-  ExpertPlacement placement_;
+  mutable std::mutex placement_mu_;
+  std::shared_ptr<const PlacementGeneration> placement_;  // guarded by placement_mu_
+  std::vector<std::vector<uint64_t>> rank_generations_;   // guarded by placement_mu_
   Backend* backend_ = nullptr;
   GatewayTransport* transport_ = nullptr;
   std::map<int, std::unique_ptr<LayerState>> layers_;

@@ -66,8 +66,9 @@ int GrpcGatewayTransport::num_up() const {
   return n;
 }
 
-absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* stream,
-                                             grpc::ServerContext* context) {
+absl::Status GrpcGatewayTransport::ServeRank(
+    int rank, ExchangeServerStream* stream, grpc::ServerContext* context,
+    const std::function<void(const RankToGateway&)>& on_control) {
   if (rank < 0 || rank >= static_cast<int>(channels_.size()))
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " outside [0, ", channels_.size(), ")"));
@@ -115,6 +116,7 @@ absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* str
     RankToGateway message;
     while (stream->Read(&message)) {
       liveness.Heard();
+      if (message.has_shards_loaded() && on_control) on_control(message);
       if (!message.has_result()) continue;
       std::lock_guard<std::mutex> lock(mu_);
       const uint64_t step = message.result().step_id();
@@ -143,6 +145,21 @@ absl::Status GrpcGatewayTransport::ServeRank(int rank, ExchangeServerStream* str
   return absl::OkStatus();
 }
 
+absl::Status GrpcGatewayTransport::SendControl(int rank, const GatewayToRank& message) {
+  if (rank < 0 || rank >= static_cast<int>(channels_.size()))
+    return absl::InvalidArgumentError(absl::StrCat("no rank ", rank));
+  Channel& channel = *channels_[rank];
+  std::lock_guard<std::mutex> write_lock(channel.write_mu);
+  ExchangeServerStream* stream;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stream = UpLocked(rank) ? channel.stream : nullptr;
+  }
+  if (stream == nullptr || !stream->Write(message))
+    return absl::UnavailableError(absl::StrCat("rank ", rank, " is down"));
+  return absl::OkStatus();
+}
+
 absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
   for (const RankPart& part : dispatch.parts) {
     if (part.rank < 0 || part.rank >= static_cast<int>(channels_.size()))
@@ -151,6 +168,7 @@ absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
     auto* step = message.mutable_step();
     step->set_step_id(dispatch.step_id);
     step->set_layer(dispatch.layer);
+    step->set_placement_generation(dispatch.placement_generation);
     step->set_num_rows(static_cast<int32_t>(part.rows.rows));
     step->set_width(static_cast<int32_t>(part.rows.cols));
     step->set_precision(
@@ -270,11 +288,13 @@ void GrpcGatewayTransport::Abandon(uint64_t step_id) {
 
 GrpcRankTransport::GrpcRankTransport(std::unique_ptr<grpc::ClientContext> context,
                                      std::unique_ptr<ExchangeClientStream> stream, Backend* backend,
-                                     const LivenessOptions& liveness)
+                                     const LivenessOptions& liveness,
+                                     std::function<void(const GatewayToRank&)> on_control)
     : context_(std::move(context)),
       stream_(std::move(stream)),
       backend_(backend),
-      liveness_options_(liveness) {
+      liveness_options_(liveness),
+      on_control_(std::move(on_control)) {
   liveness_ = std::make_unique<StreamLiveness>(
       liveness,
       [this] {
@@ -305,6 +325,10 @@ void GrpcRankTransport::ReadLoop() {
   while (stream_->Read(&message)) {
     liveness_->Heard();
     if (message.has_heartbeat()) continue;
+    if (message.has_load_shards() || message.has_keep_shards()) {
+      if (on_control_) on_control_(message);
+      continue;
+    }
     std::lock_guard<std::mutex> lock(inbox_mu_);
     inbox_.push_back(std::move(message));
     inbox_cv_.notify_one();
@@ -354,6 +378,13 @@ absl::StatusOr<ReceivedStep> GrpcRankTransport::Receive() {
     out.rows = ConstMatrixView(static_cast<const float*>(rows_->data()), rows, width, width);
   }
   return out;
+}
+
+absl::Status GrpcRankTransport::SendControl(const RankToGateway& message) {
+  std::lock_guard<std::mutex> write_lock(write_mu_);
+  if (stream_closed_ || !stream_->Write(message))
+    return absl::UnavailableError("exchange stream broke while writing");
+  return absl::OkStatus();
 }
 
 absl::Status GrpcRankTransport::Reply(uint64_t step_id,

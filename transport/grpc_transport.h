@@ -13,6 +13,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -49,8 +50,14 @@ class GrpcGatewayTransport final : public GatewayTransport {
 
   // Runs rank `rank`'s side of the exchange on `stream` (the Exchange handler's thread, whose
   // `context` it cancels when the rank falls silent) until the stream ends. The rank counts as
-  // up meanwhile, unless it fell silent.
-  absl::Status ServeRank(int rank, ExchangeServerStream* stream, grpc::ServerContext* context);
+  // up meanwhile, unless it fell silent. Control messages from the rank (anything but results
+  // and heartbeats: ShardsLoaded) go to `on_control`, on this thread.
+  absl::Status ServeRank(
+      int rank, ExchangeServerStream* stream, grpc::ServerContext* context,
+      const std::function<void(const moe::v1::internal::RankToGateway&)>& on_control = nullptr);
+  // Writes a control message (LoadShards, KeepShards) on rank `rank`'s stream, between steps'
+  // writes. UNAVAILABLE when the rank is down.
+  absl::Status SendControl(int rank, const moe::v1::internal::GatewayToRank& message);
   // Cancels every rank's stream (shutdown: they never end on their own).
   void CloseRankStreams();
   bool RankUp(int rank) const override { return IsUp(rank); }
@@ -92,15 +99,20 @@ class GrpcGatewayTransport final : public GatewayTransport {
 class GrpcRankTransport final : public RankTransport {
  public:
   // `stream` is an open Exchange stream on which the rank already sent its hello.
-  GrpcRankTransport(std::unique_ptr<grpc::ClientContext> context,
-                    std::unique_ptr<ExchangeClientStream> stream, Backend* backend,
-                    const LivenessOptions& liveness = {});
+  // Control messages from the gateway (LoadShards, KeepShards) go to `on_control`, on the
+  // reader thread: it must not block (the rank's heartbeats are heard there).
+  GrpcRankTransport(
+      std::unique_ptr<grpc::ClientContext> context, std::unique_ptr<ExchangeClientStream> stream,
+      Backend* backend, const LivenessOptions& liveness = {},
+      std::function<void(const moe::v1::internal::GatewayToRank&)> on_control = nullptr);
   ~GrpcRankTransport() override;
 
   std::string name() const override { return "grpc"; }
   absl::StatusOr<ReceivedStep> Receive() override;
   absl::Status Reply(uint64_t step_id, const absl::StatusOr<ConstPartialView>& partial,
                      const RankStepStats& stats) override;
+  // Writes a control message (ShardsLoaded) between replies.
+  absl::Status SendControl(const moe::v1::internal::RankToGateway& message);
   // Unblocks Receive (shutdown).
   void Cancel();
 
@@ -111,6 +123,7 @@ class GrpcRankTransport final : public RankTransport {
   std::unique_ptr<ExchangeClientStream> stream_;
   Backend* backend_;
   const LivenessOptions liveness_options_;
+  const std::function<void(const moe::v1::internal::GatewayToRank&)> on_control_;
   std::mutex write_mu_;         // Reply, heartbeats and the final Finish
   bool stream_closed_ = false;  // guarded by write_mu_
   std::mutex inbox_mu_;

@@ -34,8 +34,9 @@ struct StepHeader {
   int64_t num_rows;   // 0: nothing follows for this rank this step
   int64_t width;
   int64_t num_assignments;
+  uint64_t placement_generation;  // StepDispatch::placement_generation
 };
-static_assert(sizeof(StepHeader) == 48, "wire layout");
+static_assert(sizeof(StepHeader) == 56, "wire layout");
 
 // Phase 3: rank -> gateway, for every step that brought the rank rows.
 struct ReplyHeader {
@@ -478,6 +479,7 @@ absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
     base.step_id = dispatch.step_id;
     base.layer = dispatch.layer;
     base.precision = WirePrecision(dispatch.precision);
+    base.placement_generation = dispatch.placement_generation;
     base.width = width < 0 ? 0 : width;
     RETURN_IF_ERROR(st.SendHeaders(base, rows, assignments));
     // Phase 2: meta and rows to the ranks that get rows.
@@ -776,6 +778,7 @@ absl::StatusOr<ReceivedStep> NcclRankTransport::Receive() {
       ReceivedStep step;
       step.step_id = h.step_id;
       step.layer = h.layer;
+      step.placement_generation = h.placement_generation;
       step.precision = bf16 ? Precision::kBF16 : Precision::kFP32;
       step.rows = ConstMatrixView(rows, n, width, width);
       step.wire_bytes = static_cast<int64_t>(sizeof(StepHeader) + meta_bytes + row_bytes);

@@ -57,6 +57,7 @@ absl::Status DecodeStepRequest(const moe::v1::internal::StepRequest& step,
                                std::vector<float>* host_rows, ReceivedStep* out) {
   out->step_id = step.step_id();
   out->layer = step.layer();
+  out->placement_generation = step.placement_generation();
   ASSIGN_OR_RETURN(out->precision, PrecisionFromWire(step.precision()));
   const int64_t rows = step.num_rows(), width = step.width();
   if (rows < 0 || width <= 0) return absl::InvalidArgumentError("bad step shape");

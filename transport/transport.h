@@ -25,6 +25,7 @@
 //     deadline or a rank gone it has aborted its communicator, and later steps fail
 //     UNAVAILABLE until the group forms a new one.
 //   - The transport counts the bytes it moved per rank and step (RankStepStats, ReceivedStep).
+//   - A step's placement generation reaches the rank unchanged (ReceivedStep).
 #pragma once
 
 #include <cstdint>
@@ -62,6 +63,9 @@ struct StepDispatch {
   uint64_t step_id = 0;
   int layer = 0;
   Precision precision = Precision::kBF16;
+  // The expert placement the step was planned with: the assignments' local expert ids index
+  // that generation's shard on each rank (live re-placement keeps two generations loaded).
+  uint64_t placement_generation = 0;
   std::vector<RankPart> parts;  // ascending rank, non-empty parts only
 };
 
@@ -126,6 +130,7 @@ struct ReceivedStep {
   uint64_t step_id = 0;
   int layer = 0;
   Precision precision = Precision::kBF16;
+  uint64_t placement_generation = 0;
   ConstMatrixView rows;
   RowAssignments assignments;
   int64_t wire_bytes = 0;  // what the transport took off the wire for this step

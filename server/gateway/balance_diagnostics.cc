@@ -140,7 +140,8 @@ absl::StatusOr<moe::v1::PlacementAdvice> BalanceDiagnostics::Advice(int layer,
   if (load.tokens == 0)
     return absl::FailedPreconditionError(absl::StrCat("layer ", layer, " has no traffic yet"));
   std::vector<double> expert_load(load.expert_tokens.begin(), load.expert_tokens.end());
-  const ExpertPlacement& current = engine_->placement();
+  const auto in_use = engine_->placement();
+  const ExpertPlacement& current = in_use->placement;
   const int slots = engine_->config().routing.num_experts + redundant_experts;
   if (slots % current.num_ranks() != 0)
     return absl::InvalidArgumentError(

@@ -5,6 +5,7 @@
 #include <random>
 #include <sstream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -93,14 +94,18 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   ASSIGN_OR_RETURN(gateway->engine_,
                    StepEngine::Create(*gateway->checkpoint_, layers, std::move(placement),
                                       options.precision, gateway->backend_.get(), steps));
-  gateway->metrics_ = std::make_unique<GatewayMetrics>(
-      config, gateway->engine_->layers(), gateway->engine_->placement(), options.metrics);
+  gateway->metrics_ =
+      std::make_unique<GatewayMetrics>(config, gateway->engine_->layers(),
+                                       gateway->engine_->placement()->placement, options.metrics);
   gateway->engine_->SetObserver(gateway->metrics_.get());
   gateway->access_ = std::make_unique<AccessControl>(access, gateway->metrics_.get());
   BalanceOptions balance = options.balance;
   balance.per_expert = options.metrics.per_expert;
   gateway->diagnostics_ = std::make_unique<BalanceDiagnostics>(gateway->engine_.get(),
                                                                gateway->metrics_.get(), balance);
+  gateway->placement_changer_ =
+      std::make_unique<PlacementChanger>(gateway->engine_.get(), gateway->transport_.get(),
+                                         [g = gateway.get()] { g->OnRankState(-1, true); });
   gateway->batcher_ = std::make_unique<StepBatcher>(gateway->engine_.get(), options.batcher);
   gateway->ranks_.resize(options.num_ranks);
   gateway->session_ = NewSession();
@@ -266,11 +271,13 @@ int64_t Gateway::ControlMessageLimit() const {
 }
 
 std::vector<int> Gateway::ExpertsWithoutLiveReplica() const {
-  // Asked on every request (ready()): one look at each rank, not one per replica.
+  // Asked on every request (ready()): one look at each rank, not one per replica. A live
+  // rank counts once it holds the placement in use (a returning rank may still be loading it).
   std::vector<bool> live(options_.num_ranks);
-  for (int r = 0; r < options_.num_ranks; ++r) live[r] = transport_->IsUp(r);
+  for (int r = 0; r < options_.num_ranks; ++r) live[r] = engine_->RankServes(r);
   std::vector<int> missing;
-  const ExpertPlacement& placement = engine_->placement();
+  const auto current = engine_->placement();
+  const ExpertPlacement& placement = current->placement;
   for (int e = 0; e < placement.num_experts; ++e) {
     bool covered = false;
     for (const auto& replica : placement.replicas[e]) covered = covered || live[replica.rank];
@@ -328,8 +335,29 @@ std::vector<RankRecord> Gateway::ranks() const {
   return ranks_;
 }
 
+absl::StatusOr<PlacementChange> Gateway::ApplyPlacement(const std::string& text,
+                                                        const std::string& source) {
+  if (!options_.allow_placement_changes && options_.access.admin_token.empty())
+    return absl::PermissionDeniedError(
+        "placement changes need an admin token (moe-gateway --admin-token-file) or "
+        "--allow-placement-changes");
+  ASSIGN_OR_RETURN(ExpertPlacement next,
+                   ExpertPlacement::Parse(engine_->config().routing.num_experts, text));
+  std::fprintf(stderr, "moe-gateway: placement change requested by %s\n",
+               absl::CEscape(source.substr(0, 256)).c_str());
+  std::fflush(stderr);
+  const ExpertPlacement staged = next;
+  absl::StatusOr<PlacementChange> change =
+      placement_changer_->Apply(std::move(next), options_.placement_load_timeout);
+  metrics_->OnPlacementChange(change.ok(), change.ok() ? change->took : absl::ZeroDuration());
+  if (change.ok()) metrics_->SetPlacement(change->generation, staged);
+  return change;
+}
+
 void Gateway::OnRankState(int rank, bool up) {
   if (rank >= 0) metrics_->OnRankState(rank, up);
+  if (rank >= 0 && !up) placement_changer_->OnRankDown(rank);
+  if (rank >= 0 && up) placement_changer_->OnRankUp(rank);
   metrics_->SetExpertsUnavailable(static_cast<int>(ExpertsWithoutLiveReplica().size()));
   // Under NCCL the exchange stream is only the liveness channel: its verdict must reach the
   // communicator, whose waits would otherwise last until the step deadline.

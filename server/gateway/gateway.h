@@ -27,6 +27,7 @@
 #include "server/gateway/access_control.h"
 #include "server/gateway/balance_diagnostics.h"
 #include "server/gateway/deferred_transport.h"
+#include "server/gateway/placement_changer.h"
 #include "server/gateway/step_batcher.h"
 #include "server/metrics/gateway_metrics.h"
 #include "transport/grpc_transport.h"
@@ -75,6 +76,10 @@ struct GatewayOptions {
   // Heartbeats on every rank's exchange stream; a rank silent for peer_timeout is marked down.
   // Ranks get both values at registration.
   LivenessOptions liveness;
+  // MoeDiagnostics/ApplyPlacement: allowed with an admin token (which callers must show), or
+  // with this on (a trusted network); how long ranks may take to load their new experts.
+  bool allow_placement_changes = false;
+  absl::Duration placement_load_timeout = absl::Minutes(10);
 };
 
 // What a rank told us about itself (model info).
@@ -147,6 +152,14 @@ class Gateway {
   const std::string& nccl_unique_id() const { return nccl_unique_id_; }
   std::string backend_name() const { return backend_->name(); }
 
+  // Live re-placement from the --placement text format (MoeDiagnostics/ApplyPlacement):
+  // PERMISSION_DENIED unless allowed (GatewayOptions::allow_placement_changes or an admin
+  // token), INVALID_ARGUMENT for bad text, else PlacementChanger::Apply's result. `source`
+  // (who asks) is logged.
+  absl::StatusOr<PlacementChange> ApplyPlacement(const std::string& text,
+                                                 const std::string& source);
+  PlacementChanger& placement_changer() { return *placement_changer_; }
+
   // Rank bookkeeping (control plane).
   absl::StatusOr<int> ClaimRank(int requested);
   void UpdateRank(int rank, const RankRecord& record);
@@ -185,6 +198,7 @@ class Gateway {
   std::unique_ptr<StepEngine> engine_;
   std::unique_ptr<GatewayMetrics> metrics_;
   std::unique_ptr<BalanceDiagnostics> diagnostics_;
+  std::unique_ptr<PlacementChanger> placement_changer_;
   std::unique_ptr<StepBatcher> batcher_;
   std::unique_ptr<MoeServiceImpl> moe_service_;
   std::unique_ptr<RankControlServiceImpl> control_service_;

@@ -101,8 +101,18 @@ int main(int argc, char** argv) {
   flags.Bool(
       "allow-bias-override", &options.balance.allow_bias_override,
       "allow MoeDiagnostics/SetRouterBias to install router biases (logged, shown in model info)");
+  flags.Bool("allow-placement-changes", &options.allow_placement_changes,
+             "allow MoeDiagnostics/ApplyPlacement without an admin token (a trusted network)");
+  double placement_load_timeout_s = 600;
+  flags.Double("placement-load-timeout-s", &placement_load_timeout_s,
+               "how long ranks may take to load their experts of a new placement");
   flags.Require("checkpoint");
   flags.ParseOrExit(argc, argv);
+  if (!(placement_load_timeout_s > 0)) {
+    std::fprintf(stderr, "moe-gateway: --placement-load-timeout-s must be > 0\n");
+    return 2;
+  }
+  options.placement_load_timeout = absl::Seconds(placement_load_timeout_s);
   options.precision = dtype == "fp32" ? moe::Precision::kFP32 : moe::Precision::kBF16;
   if (dtype != "bf16" && dtype != "fp32") {
     std::fprintf(stderr, "moe-gateway: --dtype must be bf16 or fp32\n");

@@ -226,12 +226,15 @@ grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext* context,
   info->set_checkpoint(gateway_->options().checkpoint);
   info->set_gateway_backend(gateway_->backend_name());
   const auto ranks = gateway_->ranks();
-  const ExpertPlacement& placement = gateway_->engine().placement();
+  const auto current = gateway_->engine().placement();
+  const ExpertPlacement& placement = current->placement;
+  info->set_placement_generation(current->generation);
+  for (int e : gateway_->ExpertsWithoutLiveReplica()) info->add_experts_without_live_replica(e);
   for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
     auto* rank = info->add_ranks();
     rank->set_rank(r);
     rank->set_address(ranks[r].hostname);
-    rank->set_ready(gateway_->grpc_transport().IsUp(r));
+    rank->set_ready(gateway_->engine().RankServes(r));
     rank->set_backend(ranks[r].backend);
     rank->set_weight_bytes(ranks[r].weight_bytes);
     for (int e : placement.rank_experts[r]) rank->add_experts(e);
@@ -275,6 +278,21 @@ grpc::Status DiagnosticsServiceImpl::SetRouterBias(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status DiagnosticsServiceImpl::ApplyPlacement(grpc::ServerContext* context,
+                                                    const moe::v1::ApplyPlacementRequest* request,
+                                                    moe::v1::ApplyPlacementResponse* response) {
+  if (grpc::Status s = gateway_->access().Admin(*context, "ApplyPlacement"); !s.ok()) return s;
+  const std::string source = request->source().empty() ? context->peer() : request->source();
+  auto change = gateway_->ApplyPlacement(request->placement(), source);
+  if (!change.ok()) return ToGrpcStatus(change.status());
+  response->set_generation(change->generation);
+  response->set_seconds(absl::ToDoubleSeconds(change->took));
+  response->set_load_seconds(absl::ToDoubleSeconds(change->slowest_load));
+  response->mutable_ranks_loaded()->Add(change->ranks_loaded.begin(), change->ranks_loaded.end());
+  response->mutable_ranks_down()->Add(change->ranks_down.begin(), change->ranks_down.end());
+  return grpc::Status::OK;
+}
+
 // ---- control plane ----------------------------------------------------------------------
 
 grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
@@ -291,11 +309,12 @@ grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
   response->set_rank(*rank);
   response->set_num_ranks(gateway_->options().num_ranks);
   response->set_checkpoint(gateway_->options().checkpoint);
-  const ExpertPlacement& placement = gateway_->engine().placement();
+  const auto current = gateway_->engine().placement();
+  response->set_placement_generation(current->generation);
   for (int layer : gateway_->engine().layers()) {
     auto* shard = response->add_shards();
     shard->set_layer(layer);
-    for (int e : placement.rank_experts[*rank]) shard->add_experts(e);
+    for (int e : current->placement.rank_experts[*rank]) shard->add_experts(e);
   }
   response->set_precision(
       static_cast<moe::v1::internal::Precision>(WirePrecision(gateway_->engine().precision())));
@@ -335,7 +354,14 @@ grpc::Status RankControlServiceImpl::Exchange(grpc::ServerContext* context,
   record.weight_bytes = hello.weight_bytes();
   record.backend = hello.backend();
   gateway_->UpdateRank(hello.rank(), record);
-  return ToGrpcStatus(gateway_->grpc_transport().ServeRank(hello.rank(), stream, context));
+  // The rank's shards are those of the generation it registered with; if the placement changed
+  // since, it loads the current one now and gets rows once it has.
+  gateway_->placement_changer().OnHello(hello.rank(), hello.placement_generation());
+  const int rank = hello.rank();
+  return ToGrpcStatus(gateway_->grpc_transport().ServeRank(
+      rank, stream, context, [this, rank](const moe::v1::internal::RankToGateway& message) {
+        gateway_->placement_changer().OnShardsLoaded(rank, message.shards_loaded());
+      }));
 }
 
 }  // namespace moe

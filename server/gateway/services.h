@@ -39,6 +39,9 @@ class DiagnosticsServiceImpl final : public moe::v1::MoeDiagnostics::Service {
   grpc::Status SetRouterBias(grpc::ServerContext* context,
                              const moe::v1::SetRouterBiasRequest* request,
                              moe::v1::SetRouterBiasResponse* response) override;
+  grpc::Status ApplyPlacement(grpc::ServerContext* context,
+                              const moe::v1::ApplyPlacementRequest* request,
+                              moe::v1::ApplyPlacementResponse* response) override;
 
  private:
   Gateway* gateway_;

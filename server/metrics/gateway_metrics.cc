@@ -35,7 +35,6 @@ double MeanOverMax(const std::vector<int64_t>& v) {
 GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& layers,
                                const ExpertPlacement& placement, const MetricsOptions& options)
     : config_(config),
-      placement_(placement),
       options_(options),
       served_layers_(layers.begin(), layers.end()),
       registry_(std::make_shared<prometheus::Registry>()) {
@@ -129,6 +128,27 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
            .Name("moe_redispatched_rows_total")
            .Help("Token rows of lost ranks re-dispatched to other replicas, by layer")
            .Register(*registry_);
+  placement_generation_ = &BuildGauge()
+                               .Name("moe_placement_generation")
+                               .Help("Expert placement in use: 1 at start, +1 per live change")
+                               .Register(*registry_)
+                               .Add({});
+  expert_replicas_ = &BuildGauge()
+                          .Name("moe_expert_replicas")
+                          .Help("Ranks hosting each routed expert in the placement in use")
+                          .Register(*registry_);
+  placement_changes_ = &BuildCounter()
+                            .Name("moe_placement_changes_total")
+                            .Help("Live re-placements (ApplyPlacement), by result")
+                            .Register(*registry_);
+  for (const char* result : {"ok", "failed"}) placement_changes_->Add({{"result", result}});
+  placement_change_seconds_ =
+      &BuildHistogram()
+           .Name("moe_placement_change_duration_seconds")
+           .Help("Live re-placement: from the request to the release of the old experts")
+           .Register(*registry_)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.1, 1, 10, 60, 300, 1800});
+  SetPlacement(1, placement);
   info_ =
       &BuildGauge().Name("moe_model_info").Help("The served model (value 1)").Register(*registry_);
   info_
@@ -193,6 +213,18 @@ void GatewayMetrics::OnRequest(int layer, int grpc_code, absl::Duration latency,
 
 void GatewayMetrics::OnRankState(int rank, bool up) {
   rank_up_->Add({{"rank", L(rank)}}).Set(up ? 1 : 0);
+}
+
+void GatewayMetrics::SetPlacement(uint64_t generation, const ExpertPlacement& placement) {
+  placement_generation_->Set(static_cast<double>(generation));
+  for (int e = 0; e < placement.num_experts; ++e)
+    expert_replicas_->Add({{"expert", L(e)}})
+        .Set(static_cast<double>(placement.replicas[e].size()));
+}
+
+void GatewayMetrics::OnPlacementChange(bool ok, absl::Duration took) {
+  placement_changes_->Add({{"result", ok ? "ok" : "failed"}}).Increment();
+  if (ok) placement_change_seconds_->Observe(absl::ToDoubleSeconds(took));
 }
 
 void GatewayMetrics::SetRankWeightBytes(int rank, int64_t bytes) {

@@ -57,6 +57,10 @@ class GatewayMetrics final : public StepObserver {
   void OnRankState(int rank, bool up);
   void SetRankWeightBytes(int rank, int64_t bytes);
   void SetExpertsUnavailable(int experts);
+  // The placement serving now: its generation and each expert's replica count.
+  void SetPlacement(uint64_t generation, const ExpertPlacement& placement);
+  // A live re-placement ended (took: request to release, when it succeeded).
+  void OnPlacementChange(bool ok, absl::Duration took);
   // A call refused by AccessControl; plane: "control", "api" or "admin".
   void OnAuthFailure(const std::string& plane);
 
@@ -77,7 +81,6 @@ class GatewayMetrics final : public StepObserver {
   static std::string L(int v) { return std::to_string(v); }
 
   MoeConfig config_;
-  ExpertPlacement placement_;
   MetricsOptions options_;
   const std::set<int> served_layers_;
   std::shared_ptr<prometheus::Registry> registry_;
@@ -103,6 +106,10 @@ class GatewayMetrics final : public StepObserver {
   prometheus::Family<prometheus::Counter>* failovers_;
   prometheus::Family<prometheus::Counter>* redispatched_rows_;
   prometheus::Family<prometheus::Gauge>* info_;
+  prometheus::Gauge* placement_generation_;
+  prometheus::Family<prometheus::Gauge>* expert_replicas_;
+  prometheus::Family<prometheus::Counter>* placement_changes_;
+  prometheus::Histogram* placement_change_seconds_;
 
   mutable std::mutex mu_;
   std::map<int, LayerWindow> windows_;

@@ -42,10 +42,13 @@ void PrefaultWeights(const ExpertShardWeights& weights) {
     }
 }
 
-std::string ShardKey(const std::string& checkpoint, const moe::v1::internal::RegisterResponse& r) {
-  std::string key = absl::StrCat(checkpoint, "|", moe::v1::internal::Precision_Name(r.precision()));
-  for (const auto& shard : r.shards())
-    absl::StrAppend(&key, "|", shard.layer(), ":", absl::StrJoin(shard.experts(), ","));
+// What a shard set is: the checkpoint, the precision and each layer's experts. A rank that
+// registers again keeps the shards whose layout the new registration asks for.
+std::string LayoutKey(const std::string& prefix,
+                      const std::vector<std::pair<int, std::vector<int>>>& layers) {
+  std::string key = prefix;
+  for (const auto& [layer, experts] : layers)
+    absl::StrAppend(&key, "|", layer, ":", absl::StrJoin(experts, ","));
   return key;
 }
 
@@ -81,7 +84,15 @@ RankWorker::RankWorker(const RankOptions& options) : options_(options) {
   stub_ = moe::v1::internal::RankControl::NewStub(channel_);
 }
 
-RankWorker::~RankWorker() { Stop(); }
+RankWorker::~RankWorker() {
+  Stop();
+  {
+    std::lock_guard<std::mutex> lock(loader_mu_);
+    loader_stop_ = true;
+    loader_cv_.notify_all();
+  }
+  if (loader_.joinable()) loader_.join();
+}
 
 void RankWorker::Stop() {
   stop_ = true;
@@ -89,34 +100,166 @@ void RankWorker::Stop() {
   if (cancel_) cancel_();
 }
 
+void RankWorker::SetControlSink(
+    std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink) {
+  std::lock_guard<std::mutex> lock(loader_mu_);
+  control_sink_ = std::move(sink);
+}
+
+std::shared_ptr<ExpertShard> RankWorker::FindShard(uint64_t generation, int layer) {
+  std::lock_guard<std::mutex> lock(shards_mu_);
+  auto g = generations_.find(generation);
+  if (g == generations_.end()) return nullptr;
+  auto it = g->second.find(layer);
+  return it == g->second.end() ? nullptr : it->second;
+}
+
+void RankWorker::OnControl(const moe::v1::internal::GatewayToRank& message) {
+  if (message.has_load_shards()) {
+    std::lock_guard<std::mutex> lock(loader_mu_);
+    load_queue_.push_back(message.load_shards());
+    loader_cv_.notify_all();
+    return;
+  }
+  if (!message.has_keep_shards()) return;
+  const uint64_t keep = message.keep_shards().generation();
+  std::lock_guard<std::mutex> lock(shards_mu_);
+  auto kept = generations_.find(keep);
+  if (kept == generations_.end()) return;  // never loaded here: keep what serves
+  LayerShards shards = std::move(kept->second);
+  generations_.clear();  // steps still running hold their shards (shared_ptr)
+  int64_t bytes = 0;
+  for (const auto& [layer, shard] : shards) bytes += shard->weight_bytes();
+  generations_[keep] = std::move(shards);
+  weight_bytes_ = bytes;
+  std::fprintf(stderr, "moe-rank %d: serving placement generation %llu (%.2f GB of weights)\n",
+               rank_.load(), static_cast<unsigned long long>(keep), bytes / 1e9);
+  std::fflush(stderr);
+  if (observer_ != nullptr) observer_->OnRegistered(rank_.load(), bytes);
+}
+
+void RankWorker::LoaderLoop() {
+  for (;;) {
+    moe::v1::internal::LoadShards request;
+    {
+      std::unique_lock<std::mutex> lock(loader_mu_);
+      loader_cv_.wait(lock, [this] { return loader_stop_ || !load_queue_.empty(); });
+      if (loader_stop_) return;
+      request = std::move(load_queue_.front());
+      load_queue_.pop_front();
+    }
+    const absl::Time t0 = absl::Now();
+    LayerShards current;  // its unchanged layers are shared, not loaded twice
+    {
+      std::lock_guard<std::mutex> lock(shards_mu_);
+      if (!generations_.empty()) current = generations_.rbegin()->second;
+    }
+    absl::StatusOr<LayerShards> built;
+    {
+      std::lock_guard<std::mutex> load_lock(load_mu_);
+      std::unique_lock<std::mutex> device_lock(device_mu_, std::defer_lock);
+      if (backend_->space() == MemorySpace::kDevice) device_lock.lock();
+      built = BuildShards(request.shards(), current);
+    }
+    moe::v1::internal::RankToGateway answer;
+    auto* loaded = answer.mutable_shards_loaded();
+    loaded->set_generation(request.generation());
+    loaded->set_load_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
+    if (built.ok()) {
+      int64_t bytes = 0;
+      for (const auto& [layer, shard] : *built) bytes += shard->weight_bytes();
+      loaded->set_weight_bytes(bytes);
+      std::lock_guard<std::mutex> lock(shards_mu_);
+      generations_[request.generation()] = std::move(*built);
+    } else {
+      loaded->set_code(static_cast<int>(built.status().code()));
+      loaded->set_error(std::string(built.status().message()));
+    }
+    std::fprintf(stderr, "moe-rank %d: placement generation %llu %s in %.2f s%s%s\n", rank_.load(),
+                 static_cast<unsigned long long>(request.generation()),
+                 built.ok() ? "loaded" : "failed to load", loaded->load_seconds(),
+                 built.ok() ? "" : ": ", built.ok() ? "" : loaded->error().c_str());
+    std::fflush(stderr);
+    std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink;
+    {
+      std::lock_guard<std::mutex> lock(loader_mu_);
+      sink = control_sink_;
+    }
+    // No session: the gateway saw this rank go and asks again once it is back.
+    if (sink) (void)sink(answer);
+  }
+}
+
 void RankWorker::SetCancel(std::function<void()> cancel) {
   std::lock_guard<std::mutex> lock(transport_mu_);
   cancel_ = std::move(cancel);
 }
 
-absl::Status RankWorker::LoadShards(const moe::v1::internal::RegisterResponse& registration) {
-  const std::string dir =
-      options_.checkpoint.empty() ? registration.checkpoint() : options_.checkpoint;
-  const std::string key = ShardKey(dir, registration);
-  if (key == loaded_shard_key_) return absl::OkStatus();  // same shard as before a reconnect
-  shards_.clear();
-  ASSIGN_OR_RETURN(checkpoint_, Checkpoint::Open(dir));
-  int64_t bytes = 0;
-  for (const auto& shard : registration.shards()) {
+absl::StatusOr<RankWorker::LayerShards> RankWorker::BuildShards(
+    const google::protobuf::RepeatedPtrField<moe::v1::internal::LayerShard>& shards,
+    const LayerShards& reuse) {
+  if (checkpoint_ == nullptr) return absl::FailedPreconditionError("no checkpoint open");
+  LayerShards out;
+  for (const auto& shard : shards) {
     std::vector<int> experts(shard.experts().begin(), shard.experts().end());
+    auto same = reuse.find(shard.layer());
+    if (same != reuse.end() && same->second->expert_ids() == experts) {
+      out[shard.layer()] = same->second;
+      continue;
+    }
     ExpertLoadOptions load;
     load.prefetch = true;
     load.check_values = options_.check_weights;
     ASSIGN_OR_RETURN(ExpertShardWeights weights,
                      checkpoint_->LoadExperts(shard.layer(), experts, load));
     if (options_.prefault && backend_->space() == MemorySpace::kHost) PrefaultWeights(weights);
-    ASSIGN_OR_RETURN(auto expert_shard,
+    ASSIGN_OR_RETURN(out[shard.layer()],
                      ExpertShard::Create(checkpoint_->config(), weights, backend_.get()));
-    bytes += expert_shard->weight_bytes();
-    shards_[shard.layer()] = std::move(expert_shard);
   }
+  return out;
+}
+
+absl::Status RankWorker::LoadRegisteredShards(
+    const moe::v1::internal::RegisterResponse& registration) {
+  const std::string dir =
+      options_.checkpoint.empty() ? registration.checkpoint() : options_.checkpoint;
+  const std::string prefix =
+      absl::StrCat(dir, "|", moe::v1::internal::Precision_Name(registration.precision()));
+  std::vector<std::pair<int, std::vector<int>>> wanted;
+  for (const auto& shard : registration.shards())
+    wanted.emplace_back(shard.layer(),
+                        std::vector<int>(shard.experts().begin(), shard.experts().end()));
+  const std::string key = LayoutKey(prefix, wanted);
+  const uint64_t generation = registration.placement_generation();
+  std::lock_guard<std::mutex> load_lock(load_mu_);
+  {
+    std::lock_guard<std::mutex> loader_lock(loader_mu_);
+    if (!loader_.joinable()) loader_ = std::thread([this] { LoaderLoop(); });
+    load_queue_.clear();  // requests of a previous session
+  }
+  std::lock_guard<std::mutex> lock(shards_mu_);
+  if (prefix == loaded_prefix_) {
+    // Registering again (the gateway restarted or lost us): keep a held shard set of the same
+    // layout, under the generation the gateway uses now.
+    for (auto& [held_generation, shards] : generations_) {
+      std::vector<std::pair<int, std::vector<int>>> layout;
+      for (const auto& [layer, shard] : shards) layout.emplace_back(layer, shard->expert_ids());
+      if (LayoutKey(prefix, layout) != key) continue;
+      LayerShards kept = std::move(shards);
+      generations_.clear();
+      generations_[generation] = std::move(kept);
+      return absl::OkStatus();
+    }
+  }
+  generations_.clear();
+  loaded_prefix_.clear();
+  ASSIGN_OR_RETURN(checkpoint_, Checkpoint::Open(dir));
+  ASSIGN_OR_RETURN(LayerShards shards, BuildShards(registration.shards(), {}));
+  int64_t bytes = 0;
+  for (const auto& [layer, shard] : shards) bytes += shard->weight_bytes();
+  generations_[generation] = std::move(shards);
   weight_bytes_ = bytes;
-  loaded_shard_key_ = key;
+  loaded_prefix_ = prefix;
   return absl::OkStatus();
 }
 
@@ -145,13 +288,13 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
     return absl::UnimplementedError(
         absl::StrCat("unknown transport '", registration->transport(), "'"));
   const absl::Time t0 = absl::Now();
-  RETURN_IF_ERROR(LoadShards(*registration));
+  RETURN_IF_ERROR(LoadRegisteredShards(*registration));
+  const int layers = registration->shards_size();
+  const int experts = layers == 0 ? 0 : registration->shards(0).experts_size();
   std::fprintf(
       stderr,
-      "moe-rank %d: %zu layers, %s experts each, %.2f GB of weights, backend %s, ready in %.1f s\n",
-      rank_.load(), shards_.size(),
-      shards_.empty() ? "0" : absl::StrCat(shards_.begin()->second->expert_ids().size()).c_str(),
-      weight_bytes_.load() / 1e9, backend_->name().c_str(),
+      "moe-rank %d: %d layers, %d experts each, %.2f GB of weights, backend %s, ready in %.1f s\n",
+      rank_.load(), layers, experts, weight_bytes_.load() / 1e9, backend_->name().c_str(),
       absl::ToDoubleSeconds(absl::Now() - t0));
   std::fflush(stderr);
   if (observer_ != nullptr) observer_->OnRegistered(rank_.load(), weight_bytes_.load());
@@ -168,9 +311,13 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
   hello.mutable_hello()->set_session(registration.session());
   hello.mutable_hello()->set_weight_bytes(weight_bytes_);
   hello.mutable_hello()->set_backend(backend_->name());
+  hello.mutable_hello()->set_placement_generation(registration.placement_generation());
   struct ClearCancel {
     RankWorker* self;
-    ~ClearCancel() { self->SetCancel(nullptr); }
+    ~ClearCancel() {
+      self->SetCancel(nullptr);
+      self->SetControlSink(nullptr);
+    }
   } clear_cancel{this};
 
   // The gateway's liveness settings (older gateways send none: the defaults).
@@ -182,7 +329,12 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
 
   if (registration.transport() == "grpc") {
     if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
-    GrpcRankTransport transport(std::move(context), std::move(stream), backend_.get(), liveness);
+    GrpcRankTransport transport(
+        std::move(context), std::move(stream), backend_.get(), liveness,
+        [this](const moe::v1::internal::GatewayToRank& message) { OnControl(message); });
+    SetControlSink([&transport](const moe::v1::internal::RankToGateway& message) {
+      return transport.SendControl(message);
+    });
     SetCancel([&transport] { transport.Cancel(); });
     if (stop_) return absl::CancelledError("stopping");
     return ServeSteps(transport);
@@ -202,11 +354,19 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
     raw_context->TryCancel();
   });
   if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
-  // Heartbeats out (the only writes after the hello); a gateway silent for the timeout counts
-  // as gone, like a broken stream.
+  // Heartbeats and ShardsLoaded out (the only writes after the hello, one at a time); a gateway
+  // silent for the timeout counts as gone, like a broken stream.
+  std::mutex write_mu;
+  SetControlSink([&stream, &write_mu](const moe::v1::internal::RankToGateway& message) {
+    std::lock_guard<std::mutex> lock(write_mu);
+    return stream->Write(message) ? absl::OkStatus()
+                                  : absl::UnavailableError("exchange stream broke");
+  });
   StreamLiveness stream_liveness(
       liveness,
-      [&stream] {
+      [&stream, &write_mu] {
+        std::unique_lock<std::mutex> lock(write_mu, std::try_to_lock);
+        if (!lock.owns_lock()) return;  // another message is going out: proof enough
         moe::v1::internal::RankToGateway heartbeat;
         heartbeat.mutable_heartbeat();
         stream->Write(heartbeat);
@@ -215,14 +375,18 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
         cancel();
         raw_context->TryCancel();
       });
-  std::thread watcher([&stream, &stream_liveness, cancel] {
-    moe::v1::internal::GatewayToRank ignored;
-    while (stream->Read(&ignored)) stream_liveness.Heard();
+  std::thread watcher([this, &stream, &stream_liveness, cancel] {
+    moe::v1::internal::GatewayToRank message;
+    while (stream->Read(&message)) {
+      stream_liveness.Heard();
+      OnControl(message);  // heartbeats are ignored there
+    }
     cancel();  // the gateway went away: leave the NCCL group
   });
   absl::Status status = stop_ ? absl::CancelledError("stopping") : ServeSteps(*session.transport);
   raw_context->TryCancel();
   watcher.join();
+  SetControlSink(nullptr);  // before the stream and its mutex go
   return status;
 }
 
@@ -231,23 +395,27 @@ absl::Status RankWorker::ServeSteps(RankTransport& transport) {
     auto step = transport.Receive();
     if (!step.ok()) return step.status();
     const absl::Time t0 = absl::Now();
-    auto shard = shards_.find(step->layer);
-    absl::StatusOr<ConstPartialView> result =
-        absl::NotFoundError(absl::StrCat("layer ", step->layer, " not loaded"));
+    // Held to the end of the step: a KeepShards meanwhile drops the generation, not this shard.
+    const std::shared_ptr<ExpertShard> shard = FindShard(step->placement_generation, step->layer);
+    absl::StatusOr<ConstPartialView> result = absl::FailedPreconditionError(
+        absl::StrCat("layer ", step->layer, " of placement generation ", step->placement_generation,
+                     " is not loaded here"));
     std::set<int32_t> active(step->assignments.local_experts.begin(),
                              step->assignments.local_experts.end());
-    if (shard != shards_.end()) {
+    std::unique_lock<std::mutex> device_lock(device_mu_, std::defer_lock);
+    if (backend_->space() == MemorySpace::kDevice) device_lock.lock();
+    if (shard != nullptr) {
       auto partial = workspace_->Partial(0, step->rows.rows, step->rows.cols);
       if (!partial.ok()) {
         result = partial.status();
       } else {
-        absl::Status s =
-            shard->second->Compute(step->rows, step->assignments, step->precision, *partial);
+        absl::Status s = shard->Compute(step->rows, step->assignments, step->precision, *partial);
         if (s.ok() && options_.debug_nan_partials) s = PoisonPartials(*partial, backend_.get());
         result = s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
                         : absl::StatusOr<ConstPartialView>(s);
       }
     }
+    device_lock = {};
     if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
     RankStepStats stats;
     stats.compute_us = absl::ToInt64Microseconds(absl::Now() - t0);

@@ -3,14 +3,22 @@
 //
 // If the gateway goes away the rank registers again (with backoff) and keeps the experts it
 // already holds when its shard is unchanged, so a restarted gateway finds its ranks quickly.
+//
+// Live re-placement: shards are kept per placement generation. LoadShards (on the exchange
+// stream) loads the next generation on a loader thread while steps keep being answered with the
+// current one; steps name the generation they were planned with; KeepShards drops the others.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -83,16 +91,40 @@ class RankWorker {
   absl::Status ServeSteps(RankTransport& transport);
   // Makes Stop() cancel `cancel` while a session runs.
   void SetCancel(std::function<void()> cancel);
-  absl::Status LoadShards(const moe::v1::internal::RegisterResponse& registration);
+  // Per layer, the shard of one placement generation.
+  using LayerShards = std::map<int, std::shared_ptr<ExpertShard>>;
+  absl::Status LoadRegisteredShards(const moe::v1::internal::RegisterResponse& registration);
+  // Loads `shards`, reusing the layers of `reuse` whose expert lists are the same.
+  absl::StatusOr<LayerShards> BuildShards(
+      const google::protobuf::RepeatedPtrField<moe::v1::internal::LayerShard>& shards,
+      const LayerShards& reuse);
+  std::shared_ptr<ExpertShard> FindShard(uint64_t generation, int layer);
+  // A control message from the gateway (reader thread: must not block).
+  void OnControl(const moe::v1::internal::GatewayToRank& message);
+  void LoaderLoop();  // runs LoadShards requests one at a time
+  // Where ShardsLoaded answers go during a session (null between sessions).
+  void SetControlSink(std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink);
 
   RankOptions options_;
   absl::Status backend_status_;
   std::unique_ptr<Backend> backend_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::internal::RankControl::Stub> stub_;
-  std::unique_ptr<Checkpoint> checkpoint_;
-  std::string loaded_shard_key_;  // checkpoint + shard layout of what is loaded
-  std::map<int, std::unique_ptr<ExpertShard>> shards_;
+  std::unique_ptr<Checkpoint> checkpoint_;  // guarded by load_mu_
+  std::mutex load_mu_;                      // one load at a time (registration or LoadShards)
+  std::string loaded_prefix_;  // guarded by load_mu_: checkpoint + precision of the shards held
+  std::mutex shards_mu_;
+  std::map<uint64_t, LayerShards> generations_;  // guarded by shards_mu_
+  // Device backends (one CUDA stream): loading and steps take turns; a CPU rank loads beside
+  // its steps (its weights are views of the memory-mapped checkpoint).
+  std::mutex device_mu_;
+  std::mutex loader_mu_;
+  std::condition_variable loader_cv_;
+  std::deque<moe::v1::internal::LoadShards> load_queue_;  // guarded by loader_mu_
+  bool loader_stop_ = false;                              // guarded by loader_mu_
+  std::function<absl::Status(const moe::v1::internal::RankToGateway&)>
+      control_sink_;  // guarded by loader_mu_
+  std::thread loader_;
   std::unique_ptr<Workspace> workspace_;
   std::atomic<int> rank_{-1};
   std::atomic<int64_t> weight_bytes_{0};

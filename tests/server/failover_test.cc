@@ -45,50 +45,24 @@ TEST(FailoverTest, RedundantExpertsServeThroughAKilledAndAHungRankBitIdentical) 
   LocalCluster cluster(options);
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
 
-  std::atomic<bool> stop{false};
-  std::atomic<int> ok{0}, failed{0}, wrong{0};
-  std::atomic<int64_t> worst_us{0};
-  std::string first_error;
-  std::mutex error_mu;
-  std::vector<std::thread> callers;
-  for (int c = 0; c < 6; ++c)
-    callers.emplace_back([&, c] {
-      for (int i = c; !stop; i += 6) {
-        const int which = i % kInputs;
-        const absl::Time t0 = absl::Now();
-        CallResult r = Call(cluster.stub(), layer, inputs[which], {8, H}, absl::Seconds(20));
-        const int64_t us = absl::ToInt64Microseconds(absl::Now() - t0);
-        for (int64_t w = worst_us; us > w && !worst_us.compare_exchange_weak(w, us);) {
-        }
-        if (!r.status.ok()) {
-          ++failed;
-          std::lock_guard<std::mutex> lock(error_mu);
-          if (first_error.empty()) first_error = r.status.error_message();
-        } else if (r.output != expected[which]) {
-          ++wrong;
-        } else {
-          ++ok;
-        }
-      }
-    });
+  BusyCallers callers(cluster.stub(), layer, inputs, expected, 8, H, 6);
   absl::SleepFor(absl::Milliseconds(1500));
   cluster.rank(1).Signal(SIGKILL);  // dead: its stream breaks at once
   absl::SleepFor(absl::Milliseconds(1500));
   cluster.rank(3).Signal(SIGSTOP);  // hung: found by liveness within 1 s
   absl::SleepFor(absl::Milliseconds(3000));
   const bool serving = cluster.Serving();
-  stop = true;
-  for (auto& t : callers) t.join();
+  callers.Stop();
   cluster.rank(3).Signal(SIGKILL);
 
-  EXPECT_EQ(failed.load(), 0) << first_error << "\n" << cluster.gateway().Log();
-  EXPECT_EQ(wrong.load(), 0);
-  EXPECT_GT(ok.load(), 60);
+  EXPECT_EQ(callers.failed(), 0) << callers.first_error() << "\n" << cluster.gateway().Log();
+  EXPECT_EQ(callers.wrong(), 0);
+  EXPECT_GT(callers.ok(), 60);
   EXPECT_TRUE(serving) << "every expert still has a live replica";
   const std::string log = cluster.gateway().Log();
   EXPECT_NE(log.find("serving degraded"), std::string::npos) << log;
   std::printf("failover: %d calls ok, slowest %.0f ms (a hung rank's steps wait for liveness)\n",
-              ok.load(), worst_us.load() / 1000.0);
+              callers.ok(), absl::ToDoubleMilliseconds(callers.Latency(1.0)));
 }
 
 TEST(FailoverTest, WithoutALiveReplicaRequestsFailNamingTheExperts) {

@@ -1,8 +1,13 @@
 // What the service tests share: random inputs, one Forward call, the in-process reference.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <mutex>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/local_layer.h"
@@ -87,5 +92,64 @@ inline double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
   }
   return std::sqrt(num / den);
 }
+
+// Callers kept busy on one layer until Stop(): each call sends one of `inputs` ([tokens, H]
+// each) and its output must equal `expected` bit for bit. Counts what happened, and the slowest
+// call and latency percentiles.
+class BusyCallers {
+ public:
+  BusyCallers(moe::v1::MoeService::Stub& stub, int layer,
+              const std::vector<std::vector<float>>& inputs,
+              const std::vector<std::vector<float>>& expected, int64_t tokens, int64_t hidden,
+              int callers)
+      : inputs_(inputs), expected_(expected) {
+    for (int c = 0; c < callers; ++c)
+      threads_.emplace_back([=, &stub] {
+        for (int i = c; !stop_; i += callers) {
+          const size_t which = static_cast<size_t>(i) % inputs_.size();
+          const absl::Time t0 = absl::Now();
+          CallResult r = Call(stub, layer, inputs_[which], {tokens, hidden}, absl::Seconds(20));
+          const absl::Duration took = absl::Now() - t0;
+          std::lock_guard<std::mutex> lock(mu_);
+          latencies_.push_back(took);
+          if (!r.status.ok()) {
+            ++failed_;
+            if (first_error_.empty()) first_error_ = r.status.error_message();
+          } else if (r.output != expected_[which]) {
+            ++wrong_;
+          } else {
+            ++ok_;
+          }
+        }
+      });
+  }
+  ~BusyCallers() { Stop(); }
+  void Stop() {
+    stop_ = true;
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+  int ok() const { return ok_; }
+  int failed() const { return failed_; }
+  int wrong() const { return wrong_; }
+  const std::string& first_error() const { return first_error_; }
+  // After Stop(): the q-quantile of the calls' latencies (1.0: the slowest).
+  absl::Duration Latency(double q) {
+    std::vector<absl::Duration> v = latencies_;
+    if (v.empty()) return absl::ZeroDuration();
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+  }
+
+ private:
+  const std::vector<std::vector<float>>& inputs_;
+  const std::vector<std::vector<float>>& expected_;
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  int ok_ = 0, failed_ = 0, wrong_ = 0;  // guarded by mu_ while running
+  std::string first_error_;
+  std::vector<absl::Duration> latencies_;
+};
 
 }  // namespace moe

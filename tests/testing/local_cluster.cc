@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -105,6 +106,7 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
     rank_argv.insert(rank_argv.end(), options_.rank_args.begin(), options_.rank_args.end());
     ranks_.push_back(
         std::make_unique<ChildProcess>(rank_argv, absl::StrCat(log_dir_, "/rank", r, ".log")));
+    rank_argv_.push_back(rank_argv);
   }
   if (options_.metrics) {
     rank_metrics_ports_.assign(options_.ranks, 0);
@@ -126,6 +128,10 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
     if (!gateway_->running()) return absl::InternalError(absl::StrCat("gateway exited:\n", Logs()));
     absl::SleepFor(absl::Milliseconds(50));
   }
+  // With redundant experts the gateway serves before every rank is up: a test starts with all.
+  const std::string all_up = absl::StrCat("ready (", options_.ranks, " ranks)");
+  if (gateway_->WaitForLog(all_up, std::max(end - absl::Now(), absl::Seconds(1))).empty())
+    return absl::DeadlineExceededError(absl::StrCat("not every rank came up:\n", Logs()));
   return absl::OkStatus();
 }
 
@@ -139,9 +145,19 @@ bool LocalCluster::Serving() {
   return s.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
 
+void LocalCluster::RestartRank(int i) {
+  ranks_[i]->Signal(SIGKILL);
+  ranks_[i]->Wait(absl::Seconds(10));
+  exited_ranks_.push_back(std::move(ranks_[i]));
+  ranks_[i] = std::make_unique<ChildProcess>(
+      rank_argv_[i], absl::StrCat(log_dir_, "/rank", i, ".", exited_ranks_.size(), ".log"));
+}
+
 std::string LocalCluster::Logs() const {
   std::string out;
   if (gateway_) absl::StrAppend(&out, "--- gateway\n", gateway_->Log());
+  for (const auto& exited : exited_ranks_)
+    absl::StrAppend(&out, "--- an exited rank process\n", exited->Log());
   for (size_t r = 0; r < ranks_.size(); ++r)
     absl::StrAppend(&out, "--- rank ", r, "\n", ranks_[r]->Log());
   return out;

@@ -42,6 +42,9 @@ class LocalCluster {
   moe::v1::MoeService::Stub& stub() { return *stub_; }
   ChildProcess& gateway() { return *gateway_; }
   ChildProcess& rank(int i) { return *ranks_[i]; }
+  // Kills rank process i if it still runs and starts it again with the same flags (a rank
+  // that comes back); its log goes on in a new file.
+  void RestartRank(int i);
   // grpc.health.v1 status of the gateway: true when SERVING.
   bool Serving();
   // /metrics ports (options.metrics): the gateway's, and rank i's.
@@ -54,6 +57,8 @@ class LocalCluster {
   std::string log_dir_;
   std::unique_ptr<ChildProcess> gateway_;
   std::vector<std::unique_ptr<ChildProcess>> ranks_;
+  std::vector<std::vector<std::string>> rank_argv_;
+  std::vector<std::unique_ptr<ChildProcess>> exited_ranks_;  // their logs stay in Logs()
   int port_ = 0;
   int control_port_ = 0;
   std::string token_file_;

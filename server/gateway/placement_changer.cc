@@ -1,0 +1,196 @@
+#include "server/gateway/placement_changer.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace moe {
+
+using moe::v1::internal::GatewayToRank;
+
+PlacementChanger::PlacementChanger(StepEngine* engine, GrpcGatewayTransport* transport,
+                                   std::function<void()> on_change)
+    : engine_(engine), transport_(transport), on_change_(std::move(on_change)) {}
+
+GatewayToRank PlacementChanger::LoadMessage(const PlacementGeneration& placement, int rank) const {
+  GatewayToRank message;
+  auto* load = message.mutable_load_shards();
+  load->set_generation(placement.generation);
+  for (int layer : engine_->layers()) {
+    auto* shard = load->add_shards();
+    shard->set_layer(layer);
+    for (int e : placement.placement.rank_experts[rank]) shard->add_experts(e);
+  }
+  return message;
+}
+
+void PlacementChanger::Keep(int rank, uint64_t generation) {
+  GatewayToRank message;
+  message.mutable_keep_shards()->set_generation(generation);
+  // A rank down now registers again and is told the generation then.
+  (void)transport_->SendControl(rank, message);
+  engine_->SetRankGenerations(rank, {generation});
+}
+
+void PlacementChanger::CatchUp(int rank) {
+  const auto current = engine_->placement();
+  if (engine_->RankHolds(rank, current->generation)) return;
+  std::fprintf(stderr, "moe-gateway: rank %d loads placement generation %llu\n", rank,
+               static_cast<unsigned long long>(current->generation));
+  std::fflush(stderr);
+  (void)transport_->SendControl(rank, LoadMessage(*current, rank));
+}
+
+void PlacementChanger::OnHello(int rank, uint64_t generation) {
+  engine_->SetRankGenerations(rank, {generation});
+}
+
+void PlacementChanger::OnRankDown(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cv_.notify_all();
+}
+
+void PlacementChanger::OnShardsLoaded(int rank, const moe::v1::internal::ShardsLoaded& loaded) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_ != 0 && loaded.generation() == pending_) {
+      answers_[rank] = loaded;
+      cv_.notify_all();
+      return;
+    }
+  }
+  // A catch-up load (the rank came back with an older generation), or a change called off.
+  const uint64_t current = engine_->placement()->generation;
+  if (loaded.generation() == current && loaded.code() == 0) {
+    Keep(rank, current);
+    std::fprintf(stderr, "moe-gateway: rank %d serves placement generation %llu\n", rank,
+                 static_cast<unsigned long long>(current));
+    std::fflush(stderr);
+    if (on_change_) on_change_();
+    return;
+  }
+  if (loaded.generation() == current)
+    std::fprintf(stderr, "moe-gateway: rank %d could not load placement generation %llu: %s\n",
+                 rank, static_cast<unsigned long long>(current), loaded.error().c_str());
+  GatewayToRank keep;  // whatever it loaded is not wanted: drop it
+  keep.mutable_keep_shards()->set_generation(current);
+  (void)transport_->SendControl(rank, keep);
+}
+
+absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
+                                                        absl::Duration load_timeout) {
+  std::unique_lock<std::mutex> apply_lock(apply_mu_, std::try_to_lock);
+  if (!apply_lock.owns_lock()) return absl::AbortedError("another placement change is running");
+  const absl::Time t0 = absl::Now();
+  std::shared_ptr<const PlacementGeneration> current = engine_->placement();
+  const uint64_t old_generation = current->generation;
+  const int R = current->placement.num_ranks();
+  if (next.num_ranks() != R || next.num_experts != current->placement.num_experts)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the placement has ", next.num_ranks(), " ranks and ", next.num_experts,
+        " experts; the gateway serves ", R, " ranks and ", current->placement.num_experts));
+  PlacementGeneration staged{current->generation + 1, next};
+  PlacementChange change;
+  change.generation = staged.generation;
+
+  // 1. Load beside the serving shards.
+  std::vector<int> targets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_ = staged.generation;
+    answers_.clear();
+  }
+  for (int r = 0; r < R; ++r) {
+    if (transport_->IsUp(r) && transport_->SendControl(r, LoadMessage(staged, r)).ok()) {
+      targets.push_back(r);
+    } else {
+      change.ranks_down.push_back(r);
+    }
+  }
+  absl::Status failed;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    const absl::Time deadline = absl::Now() + load_timeout;
+    for (;;) {
+      bool waiting = false;
+      for (int r : targets)
+        if (answers_.count(r) == 0 && transport_->IsUp(r)) waiting = true;
+      if (!waiting) break;
+      if (absl::Now() >= deadline) {
+        failed = absl::UnavailableError(absl::StrCat("ranks did not load placement generation ",
+                                                     staged.generation, " within ",
+                                                     absl::FormatDuration(load_timeout)));
+        break;
+      }
+      cv_.wait_for(lock, std::chrono::milliseconds(50));
+    }
+    pending_ = 0;
+    for (int r : targets) {
+      auto it = answers_.find(r);
+      if (it == answers_.end()) {
+        change.ranks_down.push_back(r);
+      } else if (it->second.code() != 0) {
+        if (failed.ok())
+          failed = absl::UnavailableError(
+              absl::StrCat("rank ", r, " could not load placement generation ", staged.generation,
+                           ": ", it->second.error()));
+      } else {
+        change.ranks_loaded.push_back(r);
+        change.slowest_load =
+            std::max(change.slowest_load, absl::Seconds(it->second.load_seconds()));
+      }
+    }
+  }
+  std::sort(change.ranks_down.begin(), change.ranks_down.end());
+  for (int r : change.ranks_loaded) engine_->AddRankGeneration(r, staged.generation);
+
+  // Every expert must keep a live replica through the switch.
+  if (failed.ok()) {
+    std::vector<int> missing;
+    for (int e = 0; e < staged.placement.num_experts; ++e) {
+      bool covered = false;
+      for (const auto& replica : staged.placement.replicas[e])
+        covered = covered || (transport_->IsUp(replica.rank) &&
+                              engine_->RankHolds(replica.rank, staged.generation));
+      if (!covered) missing.push_back(e);
+    }
+    if (!missing.empty()) {
+      if (missing.size() > 16) missing.resize(16);
+      failed = absl::UnavailableError(
+          absl::StrCat("placement generation ", staged.generation,
+                       " would leave experts without a live replica: ", absl::StrJoin(missing, ","),
+                       missing.size() == 16 ? ",..." : ""));
+    }
+  }
+  if (!failed.ok()) {
+    for (int r : targets) Keep(r, old_generation);
+    std::fprintf(stderr, "moe-gateway: placement change called off: %s\n",
+                 std::string(failed.message()).c_str());
+    std::fflush(stderr);
+    return failed;
+  }
+
+  // 2. Switch at a step boundary, 3. release once the old generation's steps are done.
+  current.reset();  // only the steps in flight hold the old generation now
+  std::weak_ptr<const PlacementGeneration> old = engine_->SwitchPlacement(std::move(next));
+  while (!old.expired()) absl::SleepFor(absl::Milliseconds(1));
+  for (int r = 0; r < R; ++r)
+    if (engine_->RankHolds(r, staged.generation)) Keep(r, staged.generation);
+  for (int r = 0; r < R; ++r)
+    if (transport_->IsUp(r)) CatchUp(r);  // came up during the change with the old one
+  change.took = absl::Now() - t0;
+  std::fprintf(stderr,
+               "moe-gateway: serving placement generation %llu (ranks loaded: %s; down: %s) "
+               "after %.3f s\n",
+               static_cast<unsigned long long>(change.generation),
+               absl::StrJoin(change.ranks_loaded, ",").c_str(),
+               change.ranks_down.empty() ? "none" : absl::StrJoin(change.ranks_down, ",").c_str(),
+               absl::ToDoubleSeconds(change.took));
+  std::fflush(stderr);
+  if (on_change_) on_change_();
+  return change;
+}
+
+}  // namespace moe
