@@ -101,28 +101,53 @@ absl::StatusOr<DispatchPlan> DispatchPlan::Build(const Routing& routing,
   const auto& replicas_of = live_ranks != nullptr ? usable : placement.replicas;
   DispatchPlan plan;
   plan.ranks.resize(R);
-  std::vector<int> next_replica(placement.num_experts, 0);
-  std::vector<int> unavailable;  // chosen experts without a live replica
+  std::vector<int64_t> rank_load(R, 0);  // (token, expert) pairs given to each rank so far
+  std::vector<int> unavailable;          // chosen experts without a live replica
   // Per token: the (rank, local expert, gate) choices, then one row per distinct rank.
   std::vector<std::pair<int, int>> chosen(k);  // (rank, slot in the token's choices)
   std::vector<int> locals(k);
+  std::vector<bool> token_on(R, false);  // ranks this token's row already goes to
   for (int64_t t = 0; t < routing.tokens; ++t) {
     for (int j = 0; j < k; ++j) {
       const int e = routing.ids[t * k + j];
       if (e < 0 || e >= placement.num_experts)
         return absl::InvalidArgumentError(
             absl::StrCat("routing chose expert ", e, " outside [0, ", placement.num_experts, ")"));
-      const auto& replicas = replicas_of[e];
-      if (replicas.empty()) {
-        if (std::find(unavailable.begin(), unavailable.end(), e) == unavailable.end())
-          unavailable.push_back(e);
-        chosen[j] = {-1, j};
-        continue;
-      }
-      const auto& replica = replicas[next_replica[e]++ % replicas.size()];
-      chosen[j] = {replica.rank, j};
-      locals[j] = replica.local_index;
     }
+    // Experts with one usable replica first: they fix ranks the token's row goes to anyway.
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int j = 0; j < k; ++j) {
+        const int e = routing.ids[t * k + j];
+        const auto& replicas = replicas_of[e];
+        if (replicas.empty()) {
+          if (pass == 0 &&
+              std::find(unavailable.begin(), unavailable.end(), e) == unavailable.end())
+            unavailable.push_back(e);
+          if (pass == 0) chosen[j] = {-1, j};
+          continue;
+        }
+        if ((replicas.size() == 1) != (pass == 0)) continue;
+        // A replica on a rank the row goes to anyway (no extra row on the wire), else the
+        // least loaded rank of this step; ties rotate with the token, so equal loads spread.
+        size_t best = 0;
+        for (size_t i = 0; i < replicas.size(); ++i) {
+          const size_t c = (static_cast<size_t>(t) + i) % replicas.size();
+          const auto better = [&](size_t a, size_t b) -> bool {
+            const int ra = replicas[a].rank, rb = replicas[b].rank;
+            if (token_on[ra] != token_on[rb]) return token_on[ra];
+            return rank_load[ra] < rank_load[rb];
+          };
+          if (i == 0 || better(c, best)) best = c;
+        }
+        const auto& replica = replicas[best];
+        chosen[j] = {replica.rank, j};
+        locals[j] = replica.local_index;
+        token_on[replica.rank] = true;
+        ++rank_load[replica.rank];
+      }
+    }
+    for (int j = 0; j < k; ++j)
+      if (chosen[j].first >= 0) token_on[chosen[j].first] = false;
     if (!unavailable.empty()) continue;  // the step fails below; finish the scan for the list
     // Group the token's choices by rank; within a rank keep ascending local expert order.
     std::sort(chosen.begin(), chosen.end(), [&](const auto& a, const auto& b) {

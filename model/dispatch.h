@@ -65,10 +65,12 @@ struct RankDispatch {
 
 struct DispatchPlan {
   std::vector<RankDispatch> ranks;
-  // Builds the plan. A replicated expert's tokens are spread round-robin over its replicas
-  // in token order (deterministic); with `live_ranks`, over the replicas on live ranks only,
-  // and UNAVAILABLE naming the chosen experts that have none. Fails on expert ids out of range.
-  // The result does not depend on the replica chosen (fp64 combine).
+  // Builds the plan. Each (token, replicated expert) goes to one replica, chosen in token order
+  // (deterministic): one on a rank the token's row goes to anyway (for its experts with a single
+  // replica, or an earlier choice), else the replica on the rank with the fewest (token, expert)
+  // pairs of this step so far, ties rotating with the token. With `live_ranks`, only replicas
+  // on live ranks count, and UNAVAILABLE names the chosen experts that have none. Fails on
+  // expert ids out of range. The result does not depend on the replica chosen (fp64 combine).
   static absl::StatusOr<DispatchPlan> Build(const Routing& routing,
                                             const ExpertPlacement& placement,
                                             const std::vector<bool>* live_ranks = nullptr);

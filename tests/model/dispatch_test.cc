@@ -1,5 +1,6 @@
-// GroupByExpert: a rank regroups the per-row expert choices it was sent (off the wire) by
-// local expert, refusing malformed ones before reading a row.
+// DispatchPlan: which replica of each chosen expert a token's row goes to. GroupByExpert: a rank
+// regroups the per-row expert choices it was sent (off the wire) by local expert, refusing
+// malformed ones before reading a row.
 #include "model/dispatch.h"
 
 #include "gtest/gtest.h"
@@ -40,6 +41,64 @@ TEST(GroupByExpertTest, OffsetsThatDescendAreRefusedBeforeAnyRowIsRead) {
   EXPECT_EQ(g.status().message(), "row assignment offsets not ascending");
   EXPECT_EQ(GroupByExpert(Rows({0, -5, 2}, {1, 0}), 2).status().message(),
             "row assignment offsets not ascending");
+}
+
+Routing MakeRouting(int top_k, std::vector<int32_t> ids) {
+  Routing r;
+  r.top_k = top_k;
+  r.tokens = static_cast<int64_t>(ids.size()) / top_k;
+  r.ids = std::move(ids);
+  for (size_t i = 0; i < r.ids.size(); ++i) r.weights.push_back(0.5f + 0.01f * i);
+  return r;
+}
+
+// Assignments per rank, and rows per rank.
+std::vector<int64_t> Pairs(const DispatchPlan& plan) {
+  std::vector<int64_t> out;
+  for (const RankDispatch& rd : plan.ranks)
+    out.push_back(static_cast<int64_t>(rd.assignments.local_experts.size()));
+  return out;
+}
+
+TEST(DispatchPlanTest, AHotReplicatedExpertIsSplitEvenlyOverItsReplicas) {
+  // Expert 0 on ranks 0, 1 and 2; expert 1 on rank 2 only. 9 tokens choose expert 0 alone.
+  auto p = ExpertPlacement::FromRankExperts(2, {{0}, {0}, {0, 1}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto plan = DispatchPlan::Build(MakeRouting(1, std::vector<int32_t>(9, 0)), *p);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Pairs(*plan), (std::vector<int64_t>{3, 3, 3}));
+  // Deterministic: the same routing gives the same plan.
+  auto again = DispatchPlan::Build(MakeRouting(1, std::vector<int32_t>(9, 0)), *p);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(again->ranks[r].token_rows, plan->ranks[r].token_rows);
+}
+
+TEST(DispatchPlanTest, AReplicaOnARankTheRowGoesToAnywayIsPreferred) {
+  // Expert 1 lives on rank 1 only, so a token choosing 0 and 1 sends its row to rank 1: its
+  // expert 0 (on both ranks) goes there too, one row instead of two.
+  auto p = ExpertPlacement::FromRankExperts(2, {{0}, {0, 1}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto plan = DispatchPlan::Build(MakeRouting(2, {0, 1, 0, 1, 1, 0}), *p);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->ranks[0].token_rows.empty());
+  EXPECT_EQ(plan->ranks[1].token_rows, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(plan->ranks[1].assignments.offsets, (std::vector<int32_t>{0, 2, 4, 6}));
+  // Local ids on rank 1: expert 0 -> 0, expert 1 -> 1, ascending per row; gates follow them.
+  EXPECT_EQ(plan->ranks[1].assignments.local_experts, (std::vector<int32_t>{0, 1, 0, 1, 0, 1}));
+  EXPECT_EQ(plan->ranks[1].assignments.gates[4], 0.5f + 0.01f * 5);  // token 2 chose 1, then 0
+}
+
+TEST(DispatchPlanTest, OnlyLiveReplicasAndThePreciseErrorWhenNoneIsLeft) {
+  auto p = ExpertPlacement::FromRankExperts(3, {{0, 1}, {0, 2}, {1, 2}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const Routing routing = MakeRouting(1, {0, 0, 1, 2, 0, 1});
+  const std::vector<bool> rank0_down{false, true, true};
+  auto plan = DispatchPlan::Build(routing, *p, &rank0_down);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Pairs(*plan), (std::vector<int64_t>{0, 3, 3}));
+  const std::vector<bool> only_rank2{false, false, true};
+  auto failed = DispatchPlan::Build(routing, *p, &only_rank2);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(failed.status().message(), "no live replica of expert 0 (their ranks are down)");
 }
 
 }  // namespace
