@@ -111,7 +111,7 @@ class BusyCallers {
           CallResult r = Call(stub, layer, inputs_[which], {tokens, hidden}, absl::Seconds(20));
           const absl::Duration took = absl::Now() - t0;
           std::lock_guard<std::mutex> lock(mu_);
-          latencies_.push_back(took);
+          samples_.push_back({t0, took});
           if (!r.status.ok()) {
             ++failed_;
             if (first_error_.empty()) first_error_ = r.status.error_message();
@@ -133,12 +133,21 @@ class BusyCallers {
   int failed() const { return failed_; }
   int wrong() const { return wrong_; }
   const std::string& first_error() const { return first_error_; }
-  // After Stop(): the q-quantile of the calls' latencies (1.0: the slowest).
-  absl::Duration Latency(double q) {
-    std::vector<absl::Duration> v = latencies_;
+  // After Stop(): the q-quantile of the latencies (1.0: the slowest) of the calls that started
+  // in [from, to).
+  absl::Duration Latency(double q, absl::Time from = absl::InfinitePast(),
+                         absl::Time to = absl::InfiniteFuture()) const {
+    std::vector<absl::Duration> v;
+    for (const Sample& sample : samples_)
+      if (sample.start >= from && sample.start < to) v.push_back(sample.took);
     if (v.empty()) return absl::ZeroDuration();
     std::sort(v.begin(), v.end());
     return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+  }
+  int64_t Calls(absl::Time from, absl::Time to) const {
+    int64_t n = 0;
+    for (const Sample& sample : samples_) n += sample.start >= from && sample.start < to;
+    return n;
   }
 
  private:
@@ -149,7 +158,11 @@ class BusyCallers {
   std::mutex mu_;
   int ok_ = 0, failed_ = 0, wrong_ = 0;  // guarded by mu_ while running
   std::string first_error_;
-  std::vector<absl::Duration> latencies_;
+  struct Sample {
+    absl::Time start;
+    absl::Duration took;
+  };
+  std::vector<Sample> samples_;
 };
 
 }  // namespace moe

@@ -98,8 +98,8 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
                                           "--rank",
                                           absl::StrCat(r),
                                           "--threads",
-                                          absl::StrCat(options_.threads),
-                                          "--exit-on-disconnect"};
+                                          absl::StrCat(options_.threads)};
+    if (!options_.ranks_reconnect) rank_argv.push_back("--exit-on-disconnect");
     if (options_.metrics)
       rank_argv.insert(rank_argv.end(), {"--metrics-port", "0", "--metrics-host", "127.0.0.1"});
     rank_argv.insert(rank_argv.end(), auth.begin(), auth.end());

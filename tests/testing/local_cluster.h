@@ -24,6 +24,9 @@ struct ClusterOptions {
   bool insecure_cluster = false;
   bool cluster_token = true;
   TlsFiles client_tls;  // the test's own channel (stub(), Serving()) to the public port
+  // Ranks register again when their exchange ends (the default of moe-rank) instead of exiting
+  // (--exit-on-disconnect, which most tests want: a lost rank stays lost).
+  bool ranks_reconnect = false;
 };
 
 class LocalCluster {
