@@ -50,6 +50,9 @@ struct RankBehavior {
 };
 
 // The shards of both layers for every rank, and what a rank does with a step.
+// Every step of the suite names a placement generation of its own (wide, to see truncation).
+uint64_t PlacementGenerationOf(uint64_t step_id) { return (step_id << 33) + 7; }
+
 class Ranks {
  public:
   Ranks() {
@@ -90,7 +93,9 @@ class Ranks {
   }
   CpuBackend& backend() { return backend_; }
 
-  // A rank process's loop: Receive, compute, Reply, until the transport ends.
+  // A rank process's loop: Receive, compute, Reply, until the transport ends. A step whose
+  // placement generation did not come through unchanged fails (wire transports; the loopback's
+  // in-process shards are of one placement).
   void Serve(int rank, RankTransport& transport) {
     Workspace workspace(&backend_);
     for (;;) {
@@ -98,8 +103,12 @@ class Ranks {
       if (!step.ok()) return;
       auto partial = workspace.Partial(0, step->rows.rows, step->rows.cols);
       ASSERT_TRUE(partial.ok());
-      const absl::Status s =
-          Compute(step->layer, rank, step->rows, step->assignments, step->precision, *partial);
+      const absl::Status s = step->placement_generation != PlacementGenerationOf(step->step_id)
+                                 ? absl::InvalidArgumentError(absl::StrCat(
+                                       "placement generation ", step->placement_generation,
+                                       " of step ", step->step_id, " came through changed"))
+                                 : Compute(step->layer, rank, step->rows, step->assignments,
+                                           step->precision, *partial);
       const absl::StatusOr<ConstPartialView> result =
           s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
                  : absl::StatusOr<ConstPartialView>(s);
@@ -326,6 +335,7 @@ std::unique_ptr<StepData> MakeStep(Ranks& ranks, int layer, const std::vector<in
   step->rows.resize(to_ranks.size());
   step->assignments.resize(to_ranks.size());
   step->dispatch.step_id = g_step_ids.fetch_add(1);
+  step->dispatch.placement_generation = PlacementGenerationOf(step->dispatch.step_id);
   step->dispatch.layer = layer;
   step->dispatch.precision = p;
   for (size_t i = 0; i < to_ranks.size(); ++i) {
