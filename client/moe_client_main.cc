@@ -637,7 +637,7 @@ int RunPlacement(int argc, char** argv) {
   Flags flags(
       "usage: moe-client placement --target HOST:PORT [--layer L] [--redundant N] [--out FILE]\n"
       "       [--apply] | --from FILE --apply\n\n"
-      "Asks the gateway for the EPLB placement that balances layer L's traffic so far over the\n"
+      "Asks the gateway for the EPLB placement that balances the traffic so far over the\n"
       "ranks (N extra replicas), prints its predicted balancedness and the placement (or writes\n"
       "it to --out: a moe-gateway --placement file). --apply installs it live, as does\n"
       "--from FILE with a placement file of your own. Needs the gateway's admin token\n"
@@ -645,7 +645,9 @@ int RunPlacement(int argc, char** argv) {
   flags.String("target", &target, "server address HOST:PORT");
   Connection connection;
   connection.AddFlags(flags);
-  flags.Int("layer", &layer, "the layer whose traffic to balance (default: the first served)");
+  flags.Int("layer", &layer,
+            "balance this layer's traffic (default: every served layer's, summed; one "
+            "placement serves all layers)");
   flags.Int("redundant", &redundant, "extra expert replicas to place (DeepSeek EPLB)");
   flags.String("out", &out, "write the placement file here instead of printing it");
   flags.String("from", &from, "apply this placement file instead of asking for advice");
@@ -671,12 +673,6 @@ int RunPlacement(int argc, char** argv) {
     text << in.rdbuf();
     placement = text.str();
   } else {
-    if (layer < 0) {
-      absl::StatusOr<moe::v1::ModelInfo> info = (*client)->GetModelInfo();
-      if (!info.ok()) return Fail(info.status());
-      if (info->layers().empty()) return Fail(absl::FailedPreconditionError("no layers served"));
-      layer = info->layers(0);
-    }
     absl::StatusOr<moe::v1::PlacementAdvice> advice =
         (*client)->GetPlacementAdvice(static_cast<int>(layer), static_cast<int>(redundant));
     if (!advice.ok()) return Fail(advice.status());

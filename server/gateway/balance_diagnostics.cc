@@ -133,13 +133,21 @@ absl::StatusOr<moe::v1::LoadBalanceReport> BalanceDiagnostics::Report(int layer)
 
 absl::StatusOr<moe::v1::PlacementAdvice> BalanceDiagnostics::Advice(int layer,
                                                                     int redundant_experts) {
-  if (!engine_->Serves(layer))
+  if (layer >= 0 && !engine_->Serves(layer))
     return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
   if (redundant_experts < 0) return absl::InvalidArgumentError("redundant_experts must be >= 0");
-  const LayerLoad load = metrics_->Load(layer);
-  if (load.tokens == 0)
-    return absl::FailedPreconditionError(absl::StrCat("layer ", layer, " has no traffic yet"));
-  std::vector<double> expert_load(load.expert_tokens.begin(), load.expert_tokens.end());
+  // One placement serves every layer: with layer < 0 the window loads of all are summed.
+  std::vector<double> expert_load(engine_->config().routing.num_experts, 0.0);
+  int64_t tokens = 0;
+  for (int l : layer >= 0 ? std::vector<int>{layer} : engine_->layers()) {
+    const LayerLoad load = metrics_->Load(l);
+    tokens += load.tokens;
+    for (size_t e = 0; e < expert_load.size() && e < load.expert_tokens.size(); ++e)
+      expert_load[e] += static_cast<double>(load.expert_tokens[e]);
+  }
+  if (tokens == 0)
+    return absl::FailedPreconditionError(
+        layer >= 0 ? absl::StrCat("layer ", layer, " has no traffic yet") : "no traffic yet");
   const auto in_use = engine_->placement();
   const ExpertPlacement& current = in_use->placement;
   const int slots = engine_->config().routing.num_experts + redundant_experts;

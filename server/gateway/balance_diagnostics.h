@@ -39,6 +39,8 @@ class BalanceDiagnostics {
   ~BalanceDiagnostics();
 
   absl::StatusOr<moe::v1::LoadBalanceReport> Report(int layer);
+  // EPLB advice from `layer`'s window of expert loads, or (layer < 0) from all served layers'
+  // summed: one placement serves every layer.
   absl::StatusOr<moe::v1::PlacementAdvice> Advice(int layer, int redundant_experts);
   // PERMISSION_DENIED unless allowed; empty bias restores the checkpoint's.
   absl::StatusOr<moe::v1::BiasOverride> SetRouterBias(int layer, std::vector<float> bias,

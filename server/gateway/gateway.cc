@@ -1,5 +1,6 @@
 #include "server/gateway/gateway.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <random>
@@ -148,6 +149,25 @@ void Gateway::StartNcclGroup() {
 }
 
 absl::Status Gateway::Start() {
+  if (options_.auto_rebalance.enabled) {
+    AutoRebalanceOptions rebalance = options_.auto_rebalance;
+    const int E = engine_->config().routing.num_experts, R = options_.num_ranks;
+    if (rebalance.redundant < 0) rebalance.redundant = R + (R - E % R) % R;
+    AutoRebalancer::Hooks hooks;
+    hooks.balancedness = [this] {
+      double worst = 1.0;
+      for (int layer : engine_->layers()) {
+        const LayerLoad load = metrics_->Load(layer);
+        if (load.tokens > 0) worst = std::min(worst, load.rank_balancedness);
+      }
+      return worst;
+    };
+    hooks.advise = [this](int redundant) { return diagnostics_->Advice(-1, redundant); };
+    hooks.apply = [this](const std::string& placement) {
+      return ChangePlacement(placement, "--auto-rebalance").status();
+    };
+    auto_rebalancer_ = std::make_unique<AutoRebalancer>(rebalance, std::move(hooks));
+  }
   if (nccl_ != nullptr) {
     nccl_callback_->Set([this] { OnRankState(-1, true); });
     StartNcclGroup();
@@ -231,6 +251,7 @@ int64_t Gateway::Drain(absl::Duration timeout) {
 
 void Gateway::Shutdown(absl::Duration grace) {
   draining_ = true;
+  auto_rebalancer_.reset();
   if (nccl_callback_ != nullptr) nccl_callback_->Set(nullptr);
   {
     std::lock_guard<std::mutex> lock(health_mu_);
@@ -341,6 +362,11 @@ absl::StatusOr<PlacementChange> Gateway::ApplyPlacement(const std::string& text,
     return absl::PermissionDeniedError(
         "placement changes need an admin token (moe-gateway --admin-token-file) or "
         "--allow-placement-changes");
+  return ChangePlacement(text, source);
+}
+
+absl::StatusOr<PlacementChange> Gateway::ChangePlacement(const std::string& text,
+                                                         const std::string& source) {
   ASSIGN_OR_RETURN(ExpertPlacement next,
                    ExpertPlacement::Parse(engine_->config().routing.num_experts, text));
   std::fprintf(stderr, "moe-gateway: placement change requested by %s\n",

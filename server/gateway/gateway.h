@@ -25,6 +25,7 @@
 #include "model/checkpoint.h"
 #include "security/credentials.h"
 #include "server/gateway/access_control.h"
+#include "server/gateway/auto_rebalancer.h"
 #include "server/gateway/balance_diagnostics.h"
 #include "server/gateway/deferred_transport.h"
 #include "server/gateway/placement_changer.h"
@@ -80,6 +81,7 @@ struct GatewayOptions {
   // with this on (a trusted network); how long ranks may take to load their new experts.
   bool allow_placement_changes = false;
   absl::Duration placement_load_timeout = absl::Minutes(10);
+  AutoRebalanceOptions auto_rebalance;  // applies the EPLB advice by itself (--auto-rebalance)
 };
 
 // What a rank told us about itself (model info).
@@ -169,6 +171,9 @@ class Gateway {
   explicit Gateway(const GatewayOptions& options);
   void OnRankState(int rank, bool up);
   void EndRequest();  // by RequestSlot
+  // ApplyPlacement without the permission check (the operator's own --auto-rebalance).
+  absl::StatusOr<PlacementChange> ChangePlacement(const std::string& text,
+                                                  const std::string& source);
 
   GatewayOptions options_;
   std::unique_ptr<Checkpoint> checkpoint_;
@@ -200,6 +205,7 @@ class Gateway {
   std::unique_ptr<BalanceDiagnostics> diagnostics_;
   std::unique_ptr<PlacementChanger> placement_changer_;
   std::unique_ptr<StepBatcher> batcher_;
+  std::unique_ptr<AutoRebalancer> auto_rebalancer_;  // its thread uses the members above
   std::unique_ptr<MoeServiceImpl> moe_service_;
   std::unique_ptr<RankControlServiceImpl> control_service_;
   std::unique_ptr<DiagnosticsServiceImpl> diagnostics_service_;

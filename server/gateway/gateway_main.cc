@@ -106,8 +106,31 @@ int main(int argc, char** argv) {
   double placement_load_timeout_s = 600;
   flags.Double("placement-load-timeout-s", &placement_load_timeout_s,
                "how long ranks may take to load their experts of a new placement");
+  moe::AutoRebalanceOptions& rebalance = options.auto_rebalance;
+  flags.Bool("auto-rebalance", &rebalance.enabled,
+             "apply the EPLB placement advice live when the ranks' load stays unbalanced");
+  flags.Double("auto-rebalance-threshold", &rebalance.threshold,
+               "rank balancedness (mean/max, worst layer) below which to act");
+  flags.Int("auto-rebalance-checks", &rebalance.checks,
+            "readings in a row below the threshold before acting");
+  double rebalance_interval_s = 60, rebalance_gap_s = 600;
+  flags.Double("auto-rebalance-interval-s", &rebalance_interval_s, "seconds between readings");
+  flags.Double("auto-rebalance-min-gap-s", &rebalance_gap_s,
+               "at most one automatic change per this many seconds");
+  flags.Int("auto-rebalance-redundant", &rebalance.redundant,
+            "extra expert replicas the advice places (-1: the fewest >= ranks that divide "
+            "evenly over the ranks)");
   flags.Require("checkpoint");
   flags.ParseOrExit(argc, argv);
+  if (!(rebalance.threshold > 0 && rebalance.threshold <= 1) || rebalance.checks < 1 ||
+      !(rebalance_interval_s > 0) || !(rebalance_gap_s >= 0) || rebalance.redundant < -1) {
+    std::fprintf(stderr,
+                 "moe-gateway: --auto-rebalance-threshold must be in (0, 1], -checks >= 1, "
+                 "-interval-s > 0, -min-gap-s >= 0, -redundant >= -1\n");
+    return 2;
+  }
+  rebalance.interval = absl::Seconds(rebalance_interval_s);
+  rebalance.min_gap = absl::Seconds(rebalance_gap_s);
   if (!(placement_load_timeout_s > 0)) {
     std::fprintf(stderr, "moe-gateway: --placement-load-timeout-s must be > 0\n");
     return 2;

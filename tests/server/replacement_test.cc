@@ -153,6 +153,31 @@ TEST(ReplacementTest, TheEplbAdviceIsAppliedLiveWithoutAFailedCallBitIdentical) 
       applied.load_seconds(), absl::ToDoubleMilliseconds(callers.Latency(0.99)));
 }
 
+// --auto-rebalance: the skewed router's load stays unbalanced, so the gateway applies the advice
+// by itself, once (the gap), without a failed call.
+TEST(ReplacementTest, AutoRebalanceAppliesTheAdviceOnceWhenTheLoadStaysUnbalanced) {
+  const std::string checkpoint = testing::TestCheckpoint("k3-mini-skewed");
+  const Traffic traffic = MakeTraffic(checkpoint, 1, 8, 16);
+  LocalCluster cluster(
+      ClusterOptions{checkpoint,
+                     4,
+                     {"--auto-rebalance", "--auto-rebalance-interval-s", "0.2",
+                      "--auto-rebalance-checks", "2", "--balance-window-steps", "32"}});
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  BusyCallers callers(cluster.stub(), 1, traffic.inputs, traffic.expected, 16, 640, 2);
+  const std::string line =
+      cluster.gateway().WaitForLog("serving placement generation 2", absl::Seconds(20));
+  absl::SleepFor(absl::Seconds(1));  // more readings: no second change within the gap
+  callers.Stop();
+  ASSERT_FALSE(line.empty()) << cluster.Logs();
+  EXPECT_EQ(callers.failed(), 0) << callers.first_error();
+  EXPECT_EQ(callers.wrong(), 0);
+  EXPECT_EQ(Info(cluster).placement_generation(), 2u);
+  const std::string log = cluster.gateway().Log();
+  EXPECT_NE(log.find("auto-rebalance: rank balancedness"), std::string::npos) << log;
+  EXPECT_NE(log.find("requested by --auto-rebalance"), std::string::npos) << log;
+}
+
 TEST(ReplacementTest, ChangesNeedPermissionAndAPlacementThatFits) {
   const std::string checkpoint = testing::TestCheckpoint("k3-mini");
   moe::v1::ApplyPlacementResponse response;
