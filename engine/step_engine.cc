@@ -119,7 +119,7 @@ absl::Status StepEngine::SetRouterBias(int layer, std::vector<float> bias) {
 
 absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x, int64_t tokens,
                                  absl::Time deadline, float* out, Routing* routing_out,
-                                 StepStats* stats_out) {
+                                 StepStats* stats_out, UnservedTokens* unserved) {
   auto it = layers_.find(layer);
   if (it == layers_.end())
     return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
@@ -175,7 +175,11 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   int bad_rank = -1;  // the first rank whose partial sums were not finite (host backends)
   absl::Time t_sent = t_routed, t_collected = t_routed;
   for (int attempt = 0;; ++attempt) {
-    absl::StatusOr<DispatchPlan> built = DispatchPlan::Build(routing, placement->placement, &live);
+    absl::StatusOr<DispatchPlan> built =
+        DispatchPlan::Build(routing, placement->placement, &live,
+                            unserved != nullptr ? &unserved->segment_ends : nullptr);
+    if (built.ok() && static_cast<int64_t>(built->unserved_tokens.size()) == tokens)
+      built = built->UnavailableStatus();  // nothing left to serve
     if (!built.ok()) {
       // After a failed attempt, say both what failed and why the step cannot go elsewhere.
       status = attempt == 0 ? built.status()
@@ -246,6 +250,12 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   ASSIGN_OR_RETURN(MatrixView output, ws.Matrix(kOutput, tokens, H));
   RETURN_IF_ERROR(state.math->Finish(combined, shared, precision, output));
   RETURN_IF_ERROR(backend_->CopyToHost(out, output.data, tokens * H * sizeof(float)));
+  if (unserved != nullptr) {
+    // Rows without their routed experts are no results: zeroed, so none can pass for one.
+    unserved->tokens = plan.unserved_tokens;
+    unserved->status = plan.UnavailableStatus();
+    for (int64_t t : plan.unserved_tokens) std::fill(out + t * H, out + (t + 1) * H, 0.0f);
+  }
   // Inputs are finite (validated), so a NaN or Inf here is a fault (bad weights, a faulty or
   // hostile rank, a kernel bug): never answered as OK. One pass over the output, beside a step.
   if (const int64_t at = FirstNonFinite(out, tokens * H); at >= 0) {

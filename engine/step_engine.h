@@ -41,6 +41,16 @@ struct StepStats {
   bool ok = true;
 };
 
+// Serving a step partially (RunStep with `unserved`). In: where each caller's rows end (a
+// caller with a token that chose an expert without a live replica is left out whole; empty:
+// every token on its own). Out: the tokens left out, whose output rows are zeros, not results,
+// and the UNAVAILABLE status naming those experts.
+struct UnservedTokens {
+  std::vector<int64_t> segment_ends;
+  std::vector<int64_t> tokens;  // ascending
+  absl::Status status;
+};
+
 class StepObserver {
  public:
   virtual ~StepObserver() = default;
@@ -97,9 +107,12 @@ class StepEngine {
     return RunStep(layer, precision_, x, tokens, deadline, out, routing);
   }
   // The same in precision `p`; `stats` (optional) receives the step's figures (its routing and
-  // score pointers are cleared: they do not outlive the step).
+  // score pointers are cleared: they do not outlive the step). With `unserved`, tokens that chose
+  // an expert without a live replica are left out and listed there, and the step serves the
+  // others (it fails only when it can serve none); without, the step fails UNAVAILABLE.
   absl::Status RunStep(int layer, Precision p, const float* x, int64_t tokens, absl::Time deadline,
-                       float* out, Routing* routing, StepStats* stats = nullptr);
+                       float* out, Routing* routing, StepStats* stats = nullptr,
+                       UnservedTokens* unserved = nullptr);
 
  private:
   struct LayerState {

@@ -80,9 +80,22 @@ std::string ExpertPlacement::ToString() const {
   return out.str();
 }
 
+absl::Status DispatchPlan::UnavailableStatus() const {
+  if (unavailable_experts.empty()) return absl::OkStatus();
+  std::string list = absl::StrJoin(
+      unavailable_experts.begin(),
+      unavailable_experts.begin() + std::min<size_t>(unavailable_experts.size(), 16), ", ");
+  if (unavailable_experts.size() > 16)
+    absl::StrAppend(&list, ", ... (", unavailable_experts.size(), " in all)");
+  return absl::UnavailableError(absl::StrCat("no live replica of expert",
+                                             unavailable_experts.size() > 1 ? "s " : " ", list,
+                                             " (their ranks are down)"));
+}
+
 absl::StatusOr<DispatchPlan> DispatchPlan::Build(const Routing& routing,
                                                  const ExpertPlacement& placement,
-                                                 const std::vector<bool>* live_ranks) {
+                                                 const std::vector<bool>* live_ranks,
+                                                 const std::vector<int64_t>* segment_ends) {
   const int R = placement.num_ranks();
   const int k = routing.top_k;
   if (static_cast<int64_t>(routing.ids.size()) != routing.tokens * k ||
@@ -107,25 +120,42 @@ absl::StatusOr<DispatchPlan> DispatchPlan::Build(const Routing& routing,
   std::vector<std::pair<int, int>> chosen(k);  // (rank, slot in the token's choices)
   std::vector<int> locals(k);
   std::vector<bool> token_on(R, false);  // ranks this token's row already goes to
-  for (int64_t t = 0; t < routing.tokens; ++t) {
+  // Tokens that cannot be served: they chose an expert without a usable replica, or share a
+  // segment with one that did.
+  std::vector<bool> skip(routing.tokens, false);
+  for (int64_t t = 0; t < routing.tokens; ++t)
     for (int j = 0; j < k; ++j) {
       const int e = routing.ids[t * k + j];
       if (e < 0 || e >= placement.num_experts)
         return absl::InvalidArgumentError(
             absl::StrCat("routing chose expert ", e, " outside [0, ", placement.num_experts, ")"));
+      if (!replicas_of[e].empty()) continue;
+      skip[t] = true;
+      if (std::find(unavailable.begin(), unavailable.end(), e) == unavailable.end())
+        unavailable.push_back(e);
+    }
+  std::sort(unavailable.begin(), unavailable.end());
+  plan.unavailable_experts = std::move(unavailable);
+  if (segment_ends == nullptr && !plan.unavailable_experts.empty()) return plan.UnavailableStatus();
+  if (segment_ends != nullptr && !segment_ends->empty()) {
+    int64_t begin = 0;
+    for (int64_t end : *segment_ends) {
+      end = std::clamp(end, begin, routing.tokens);
+      const auto first = skip.begin() + begin, last = skip.begin() + end;
+      if (std::find(first, last, true) != last) std::fill(first, last, true);
+      begin = end;
+    }
+  }
+  for (int64_t t = 0; t < routing.tokens; ++t) {
+    if (skip[t]) {
+      plan.unserved_tokens.push_back(t);
+      continue;
     }
     // Experts with one usable replica first: they fix ranks the token's row goes to anyway.
     for (int pass = 0; pass < 2; ++pass) {
       for (int j = 0; j < k; ++j) {
         const int e = routing.ids[t * k + j];
         const auto& replicas = replicas_of[e];
-        if (replicas.empty()) {
-          if (pass == 0 &&
-              std::find(unavailable.begin(), unavailable.end(), e) == unavailable.end())
-            unavailable.push_back(e);
-          if (pass == 0) chosen[j] = {-1, j};
-          continue;
-        }
         if ((replicas.size() == 1) != (pass == 0)) continue;
         // A replica on a rank the row goes to anyway (no extra row on the wire), else the
         // least loaded rank of this step; ties rotate with the token, so equal loads spread.
@@ -146,9 +176,7 @@ absl::StatusOr<DispatchPlan> DispatchPlan::Build(const Routing& routing,
         ++rank_load[replica.rank];
       }
     }
-    for (int j = 0; j < k; ++j)
-      if (chosen[j].first >= 0) token_on[chosen[j].first] = false;
-    if (!unavailable.empty()) continue;  // the step fails below; finish the scan for the list
+    for (int j = 0; j < k; ++j) token_on[chosen[j].first] = false;
     // Group the token's choices by rank; within a rank keep ascending local expert order.
     std::sort(chosen.begin(), chosen.end(), [&](const auto& a, const auto& b) {
       return a.first != b.first ? a.first < b.first : locals[a.second] < locals[b.second];
@@ -163,15 +191,6 @@ absl::StatusOr<DispatchPlan> DispatchPlan::Build(const Routing& routing,
       }
       rd.assignments.offsets.push_back(static_cast<int32_t>(rd.assignments.local_experts.size()));
     }
-  }
-  if (!unavailable.empty()) {
-    std::sort(unavailable.begin(), unavailable.end());
-    std::string list = absl::StrJoin(
-        unavailable.begin(), unavailable.begin() + std::min<size_t>(unavailable.size(), 16), ", ");
-    if (unavailable.size() > 16) absl::StrAppend(&list, ", ... (", unavailable.size(), " in all)");
-    return absl::UnavailableError(absl::StrCat("no live replica of expert",
-                                               unavailable.size() > 1 ? "s " : " ", list,
-                                               " (their ranks are down)"));
   }
   return plan;
 }

@@ -65,15 +65,25 @@ struct RankDispatch {
 
 struct DispatchPlan {
   std::vector<RankDispatch> ranks;
+  // Serving partially (Build with `segment_ends`): the tokens left out because they, or a token
+  // of their segment, chose an expert without a live replica (ascending), and those experts.
+  std::vector<int64_t> unserved_tokens;
+  std::vector<int> unavailable_experts;
+  // UNAVAILABLE naming the unavailable experts (OK when there are none).
+  absl::Status UnavailableStatus() const;
   // Builds the plan. Each (token, replicated expert) goes to one replica, chosen in token order
   // (deterministic): one on a rank the token's row goes to anyway (for its experts with a single
   // replica, or an earlier choice), else the replica on the rank with the fewest (token, expert)
   // pairs of this step so far, ties rotating with the token. With `live_ranks`, only replicas
-  // on live ranks count, and UNAVAILABLE names the chosen experts that have none. Fails on
-  // expert ids out of range. The result does not depend on the replica chosen (fp64 combine).
+  // on live ranks count, and UNAVAILABLE names the chosen experts that have none, unless
+  // `segment_ends` is given (the ascending token offsets where each caller's rows end; empty:
+  // every token on its own): then every segment holding a token that chose one is left out of
+  // the plan and listed (the others' results do not depend on them). Fails on expert ids out
+  // of range. The result does not depend on the replica chosen (fp64 combine).
   static absl::StatusOr<DispatchPlan> Build(const Routing& routing,
                                             const ExpertPlacement& placement,
-                                            const std::vector<bool>* live_ranks = nullptr);
+                                            const std::vector<bool>* live_ranks = nullptr,
+                                            const std::vector<int64_t>* segment_ends = nullptr);
 };
 
 // Regroups a rank's per-row choices by local expert (CSR) for the grouped expert kernel;

@@ -314,6 +314,13 @@ bool Gateway::ready() const {
   return ExpertsWithoutLiveReplica().empty();
 }
 
+bool Gateway::AcceptsRequests() const {
+  if (nccl_ != nullptr) return ready();
+  for (int r = 0; r < options_.num_ranks; ++r)
+    if (engine_->RankServes(r)) return true;
+  return false;
+}
+
 std::string Gateway::ReadinessMessage() const {
   std::string message = absl::StrCat(transport_->num_up(), " of ", options_.num_ranks, " ranks up");
   if (nccl_ != nullptr && !nccl_->installed())

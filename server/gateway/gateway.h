@@ -139,6 +139,10 @@ class Gateway {
   int64_t RequestLimit() const;         // the public port's message limit (max_request_bytes)
   int64_t ControlMessageLimit() const;  // the control port's: one rank's step result
   bool ready() const;
+  // Whether requests are taken now: under NCCL when ready(); over gRPC while some rank serves
+  // the placement in use, since a request fails only when its tokens choose an expert without a
+  // live replica (health says NOT_SERVING meanwhile: ready() is false).
+  bool AcceptsRequests() const;
   // Experts none of whose replicas is on a live rank (the gateway is not ready while any).
   std::vector<int> ExpertsWithoutLiveReplica() const;
   std::string ReadinessMessage() const;  // "3 of 4 ranks up" when not ready

@@ -27,7 +27,7 @@ absl::StatusOr<std::shared_ptr<ForwardCall>> MakeCall(Gateway& gateway,
                                                       ValidatedRequest* validated) {
   if (gateway.draining())
     return absl::UnavailableError("the gateway is shutting down (draining); try another replica");
-  if (!gateway.ready())
+  if (!gateway.AcceptsRequests())
     return absl::UnavailableError(absl::StrCat("not ready: ", gateway.ReadinessMessage()));
   RequestLimits limits{gateway.engine().config().hidden_size, gateway.options().max_request_tokens,
                        gateway.engine().layers()};

@@ -133,12 +133,25 @@ void StepBatcher::RunStep(int layer, std::vector<Piece>& pieces) {
     offset += p.rows;
   }
   Routing routing;
-  const absl::Status status =
-      engine_->RunStep(layer, x.data(), tokens, deadline, out.data(), &routing);
+  // A token that chose an expert whose every replica is down fails its own call only.
+  UnservedTokens unserved;
+  for (const Piece& p : pieces)
+    unserved.segment_ends.push_back(
+        (unserved.segment_ends.empty() ? 0 : unserved.segment_ends.back()) + p.rows);
+  const absl::Status step_status =
+      engine_->RunStep(layer, engine_->precision(), x.data(), tokens, deadline, out.data(),
+                       &routing, nullptr, &unserved);
   const absl::Time end = absl::Now();
   offset = 0;
+  size_t next_unserved = 0;
   for (Piece& p : pieces) {
     ForwardCall& call = *p.call;
+    absl::Status status = step_status;
+    while (next_unserved < unserved.tokens.size() && unserved.tokens[next_unserved] < offset)
+      ++next_unserved;
+    if (status.ok() && next_unserved < unserved.tokens.size() &&
+        unserved.tokens[next_unserved] < offset + p.rows)
+      status = unserved.status;
     if (p.begin == 0) {
       call.first_step = now;
       call.queue_time = now - call.enqueued;

@@ -101,5 +101,29 @@ TEST(DispatchPlanTest, OnlyLiveReplicasAndThePreciseErrorWhenNoneIsLeft) {
   EXPECT_EQ(failed.status().message(), "no live replica of expert 0 (their ranks are down)");
 }
 
+TEST(DispatchPlanTest, ServingPartiallyLeavesOutWholeSegmentsThatChoseALostExpert) {
+  auto p = ExpertPlacement::FromRankExperts(3, {{0}, {1}, {2}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  // Tokens 0-1 are one caller's, 2-3 another's, 4 a third's; expert 1 (rank 1) is lost.
+  const Routing routing = MakeRouting(1, {0, 1, 0, 2, 2});
+  const std::vector<bool> live{true, false, true};
+  EXPECT_EQ(DispatchPlan::Build(routing, *p, &live).status().message(),
+            "no live replica of expert 1 (their ranks are down)");
+  const std::vector<int64_t> segments{2, 4, 5};
+  auto plan = DispatchPlan::Build(routing, *p, &live, &segments);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->unserved_tokens, (std::vector<int64_t>{0, 1}));  // token 0 goes with token 1
+  EXPECT_EQ(plan->unavailable_experts, (std::vector<int>{1}));
+  EXPECT_EQ(plan->ranks[0].token_rows, (std::vector<int32_t>{2}));
+  EXPECT_EQ(plan->ranks[2].token_rows, (std::vector<int32_t>{3, 4}));
+  EXPECT_EQ(plan->UnavailableStatus().code(), absl::StatusCode::kUnavailable);
+  // Empty segments: every token on its own.
+  const std::vector<int64_t> each;
+  auto single = DispatchPlan::Build(routing, *p, &live, &each);
+  ASSERT_TRUE(single.ok());
+  EXPECT_EQ(single->unserved_tokens, (std::vector<int64_t>{1}));
+  EXPECT_EQ(single->ranks[0].token_rows, (std::vector<int32_t>{0, 2}));
+}
+
 }  // namespace
 }  // namespace moe

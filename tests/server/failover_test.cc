@@ -65,33 +65,86 @@ TEST(FailoverTest, RedundantExpertsServeThroughAKilledAndAHungRankBitIdentical) 
               callers.ok(), absl::ToDoubleMilliseconds(callers.Latency(1.0)));
 }
 
-TEST(FailoverTest, WithoutALiveReplicaRequestsFailNamingTheExperts) {
+// Ranks 1 and 2 gone: range 1 (experts 16-31) has no live replica. Only the calls whose tokens
+// choose one of those fail (UNAVAILABLE naming them), in the same steps as calls that succeed;
+// when the ranks come back, everything is served again.
+TEST(FailoverTest, WithoutALiveReplicaOnlyTheCallsChoosingThoseExpertsFail) {
   const std::string checkpoint = testing::TestCheckpoint("k3-mini");
   const int layer = (*Checkpoint::Open(checkpoint))->layers().front();
+  InProcess reference(checkpoint, layer);
+  // One-token inputs that choose an expert of range 1 (hits) and that do not (misses).
+  std::vector<std::vector<float>> hits, misses, hit_expected, miss_expected;
+  std::vector<int> hit_expert;
+  for (uint32_t seed = 1; seed < 2000 && (hits.size() < 3 || misses.size() < 3); ++seed) {
+    std::vector<float> x = RandomInput(1, 640, 7000 + seed);
+    Routing routing;
+    std::vector<float> y = reference.Forward(x, &routing);
+    int in_range = -1;
+    for (int32_t e : routing.ids)
+      if (e >= 16 && e < 32) in_range = e;
+    auto& group = in_range >= 0 ? hits : misses;
+    if (group.size() >= 3) continue;
+    group.push_back(x);
+    (in_range >= 0 ? hit_expected : miss_expected).push_back(y);
+    if (in_range >= 0) hit_expert.push_back(in_range);
+  }
+  ASSERT_EQ(hits.size(), 3u);
+  ASSERT_EQ(misses.size(), 3u);
+
   ClusterOptions options{checkpoint, 4};
   const std::string placement = ::testing::TempDir() + "/two_replicas_b.txt";
   std::ofstream(placement) << kTwoReplicas;
   options.gateway_args = {"--placement", placement};
   LocalCluster cluster(options);
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
-  // Ranks 1 and 2 both gone: range 1 (experts 16-31) has no replica left.
   cluster.rank(1).Signal(SIGKILL);
   cluster.rank(2).Signal(SIGKILL);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (cluster.Serving() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
-  EXPECT_FALSE(cluster.Serving());
-  CallResult r = Call(cluster.stub(), layer, RandomInput(64, 640, 3), {64, 640});
-  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
-  // At least range 1's 16 experts; more if a starved survivor missed its heartbeats meanwhile
-  // on a loaded host (its range then has no replica either), which is no less precise.
-  const std::string& message = r.status.error_message();
-  const size_t at = message.find(" experts without a live replica");
-  ASSERT_NE(at, std::string::npos) << message;
-  const size_t start = message.rfind(' ', at - 1) + 1;
-  int missing = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(message.substr(start, at - start), &missing)) << message;
-  EXPECT_GE(missing, 16) << message;
-  EXPECT_EQ(missing % 16, 0) << "whole ranges go: " << message;
+  EXPECT_FALSE(cluster.Serving()) << "health: some experts have no live replica";
+
+  // All six at once, so that steps hold calls of both kinds.
+  std::vector<CallResult> hit_results(3), miss_results(3);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      hit_results[i] = Call(cluster.stub(), layer, hits[i], {1, 640});
+    });
+    threads.emplace_back([&, i] {
+      miss_results[i] = Call(cluster.stub(), layer, misses[i], {1, 640});
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(miss_results[i].status.ok()) << miss_results[i].status.error_message();
+    EXPECT_EQ(miss_results[i].output, miss_expected[i]) << "miss " << i;
+    const grpc::Status& s = hit_results[i].status;
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+    EXPECT_NE(s.error_message().find("no live replica of expert"), std::string::npos)
+        << s.error_message();
+    EXPECT_NE(s.error_message().find(absl::StrCat(hit_expert[i])), std::string::npos)
+        << "names expert " << hit_expert[i] << ": " << s.error_message();
+  }
+  {
+    grpc::ClientContext context;
+    moe::v1::ModelInfo info;
+    ASSERT_TRUE(cluster.stub().GetModelInfo(&context, moe::v1::GetModelInfoRequest(), &info).ok());
+    // Range 1 at least; whole ranges only (a starved survivor may miss heartbeats too).
+    EXPECT_GE(info.experts_without_live_replica_size(), 16);
+    EXPECT_EQ(info.experts_without_live_replica_size() % 16, 0);
+  }
+
+  // The ranks return: served again, bit-identical.
+  cluster.RestartRank(1);
+  cluster.RestartRank(2);
+  const absl::Time back = absl::Now() + absl::Seconds(30);
+  while (!cluster.Serving() && absl::Now() < back) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(cluster.Serving()) << cluster.Logs();
+  for (int i = 0; i < 3; ++i) {
+    CallResult r = Call(cluster.stub(), layer, hits[i], {1, 640});
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.output, hit_expected[i]);
+  }
 }
 
 }  // namespace

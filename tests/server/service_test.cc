@@ -232,8 +232,8 @@ TEST(ServiceTest, RankKilledMidRunFailsCallsWithUnavailableWithoutHanging) {
       << in_flight.status.error_message();
   EXPECT_LT(call.elapsed(), absl::Seconds(5)) << "well within its 20 s deadline";
 
-  // New calls fail fast while the rank is down; the gateway still answers.
-  ExpectFastUnavailable(cluster, x, {64, 640}, "1 of 2 ranks up");
+  // New calls choosing its experts fail fast, naming them; the gateway still answers.
+  ExpectFastUnavailable(cluster, x, {64, 640}, "no live replica of experts");
   EXPECT_FALSE(cluster.Serving());
   EXPECT_TRUE(cluster.gateway().running());
 }
@@ -346,7 +346,7 @@ TEST(ServiceTest, AHungRankFailsItsStepsAndNeverBlocksDiagnostics) {
   EXPECT_LT(absl::Now() - stopped, absl::Seconds(2.5)) << "marked down by rank-timeout + 1 s";
 
   // New calls fail fast; the rank, released, exits; the gateway still serves diagnostics.
-  ExpectFastUnavailable(cluster, x, {64, 640}, "1 of 2 ranks up");
+  ExpectFastUnavailable(cluster, x, {64, 640}, "no live replica of experts");
   cluster.rank(1).Signal(SIGCONT);
   EXPECT_NE(cluster.rank(1).Wait(absl::Seconds(10)), -1) << cluster.Logs();
   EXPECT_TRUE(cluster.gateway().running());
