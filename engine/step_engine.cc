@@ -231,8 +231,9 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
     if (status.ok()) break;
     transport_->Abandon(dispatch.step_id);
     int64_t lost_rows = 0;
+    // Lost: down, or no longer holding the step's placement (it came back with a newer one).
     for (const RankPart& part : dispatch.parts)
-      if (!transport_->RankUp(part.rank)) {
+      if (!transport_->RankUp(part.rank) || !RankHolds(part.rank, placement->generation)) {
         live[part.rank] = false;
         lost_rows += part.rows.rows;
       }

@@ -251,6 +251,7 @@ int64_t Gateway::Drain(absl::Duration timeout) {
 
 void Gateway::Shutdown(absl::Duration grace) {
   draining_ = true;
+  if (placement_changer_ != nullptr) placement_changer_->Stop();
   auto_rebalancer_.reset();
   if (nccl_callback_ != nullptr) nccl_callback_->Set(nullptr);
   {

@@ -47,6 +47,12 @@ void PlacementChanger::OnHello(int rank, uint64_t generation) {
   engine_->SetRankGenerations(rank, {generation});
 }
 
+void PlacementChanger::Stop() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stopped_ = true;
+  cv_.notify_all();
+}
+
 void PlacementChanger::OnRankDown(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   cv_.notify_all();
@@ -84,6 +90,10 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
   std::unique_lock<std::mutex> apply_lock(apply_mu_, std::try_to_lock);
   if (!apply_lock.owns_lock()) return absl::AbortedError("another placement change is running");
   const absl::Time t0 = absl::Now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return absl::CancelledError("the gateway is shutting down");
+  }
   std::shared_ptr<const PlacementGeneration> current = engine_->placement();
   const uint64_t old_generation = current->generation;
   const int R = current->placement.num_ranks();
@@ -114,6 +124,10 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
     std::unique_lock<std::mutex> lock(mu_);
     const absl::Time deadline = absl::Now() + load_timeout;
     for (;;) {
+      if (stopped_) {
+        failed = absl::CancelledError("the gateway is shutting down");
+        break;
+      }
       bool waiting = false;
       for (int r : targets)
         if (answers_.count(r) == 0 && transport_->IsUp(r)) waiting = true;

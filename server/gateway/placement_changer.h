@@ -52,6 +52,8 @@ class PlacementChanger {
   void OnRankUp(int rank) { CatchUp(rank); }
   void OnShardsLoaded(int rank, const moe::v1::internal::ShardsLoaded& loaded);
   void OnRankDown(int rank);
+  // Shutdown: a change in progress is called off (CANCELLED), later ones refused.
+  void Stop();
 
  private:
   moe::v1::internal::GatewayToRank LoadMessage(const PlacementGeneration& placement,
@@ -66,6 +68,7 @@ class PlacementChanger {
   std::mutex mu_;
   std::condition_variable cv_;
   uint64_t pending_ = 0;  // guarded by mu_: the generation being loaded, 0 when none
+  bool stopped_ = false;  // guarded by mu_
   std::map<int, moe::v1::internal::ShardsLoaded> answers_;  // guarded by mu_: for `pending_`
 };
 

@@ -102,7 +102,7 @@ void RankWorker::Stop() {
 
 void RankWorker::SetControlSink(
     std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink) {
-  std::lock_guard<std::mutex> lock(loader_mu_);
+  std::lock_guard<std::mutex> lock(sink_mu_);
   control_sink_ = std::move(sink);
 }
 
@@ -180,13 +180,9 @@ void RankWorker::LoaderLoop() {
                  built.ok() ? "loaded" : "failed to load", loaded->load_seconds(),
                  built.ok() ? "" : ": ", built.ok() ? "" : loaded->error().c_str());
     std::fflush(stderr);
-    std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink;
-    {
-      std::lock_guard<std::mutex> lock(loader_mu_);
-      sink = control_sink_;
-    }
     // No session: the gateway saw this rank go and asks again once it is back.
-    if (sink) (void)sink(answer);
+    std::lock_guard<std::mutex> lock(sink_mu_);
+    if (control_sink_) (void)control_sink_(answer);
   }
 }
 
@@ -336,8 +332,9 @@ absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse&
       return transport.SendControl(message);
     });
     SetCancel([&transport] { transport.Cancel(); });
-    if (stop_) return absl::CancelledError("stopping");
-    return ServeSteps(transport);
+    absl::Status status = stop_ ? absl::CancelledError("stopping") : ServeSteps(transport);
+    SetControlSink(nullptr);  // before the transport goes
+    return status;
   }
   // NCCL carries the steps; the exchange stream stays open as the liveness channel (the
   // gateway sees this rank die when it breaks, and the rank stops when the gateway goes).

@@ -122,8 +122,11 @@ class RankWorker {
   std::condition_variable loader_cv_;
   std::deque<moe::v1::internal::LoadShards> load_queue_;  // guarded by loader_mu_
   bool loader_stop_ = false;                              // guarded by loader_mu_
+  // Held while the sink is called, so clearing it waits for a call in progress (the sink
+  // writes on the session's stream, which goes away with the session).
+  std::mutex sink_mu_;
   std::function<absl::Status(const moe::v1::internal::RankToGateway&)>
-      control_sink_;  // guarded by loader_mu_
+      control_sink_;  // guarded by sink_mu_
   std::thread loader_;
   std::unique_ptr<Workspace> workspace_;
   std::atomic<int> rank_{-1};

@@ -97,20 +97,21 @@ TEST(ReplacementTest, TheEplbAdviceIsAppliedLiveWithoutAFailedCallBitIdentical) 
   double before = 0;
   {
     BusyCallers warm(cluster.stub(), kLayer, traffic.inputs, traffic.expected, 16, H, 1);
-    absl::SleepFor(absl::Seconds(1));
+    const bool full = warm.WaitForOk(64, absl::Seconds(60));  // the balance window's 64 steps
     warm.Stop();
     ASSERT_EQ(warm.failed() + warm.wrong(), 0) << warm.first_error();
-    ASSERT_GE(warm.ok(), 64) << "the balance window must be full";
+    ASSERT_TRUE(full) << "the balance window must be full";
     before = diagnostics.RankBalance(kLayer);
   }
   const moe::v1::PlacementAdvice advice = diagnostics.Advice(kLayer, 4);
   ASSERT_FALSE(advice.placement().empty());
 
   BusyCallers callers(cluster.stub(), kLayer, traffic.inputs, traffic.expected, 16, H, 4);
-  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_TRUE(callers.WaitForOk(20, absl::Seconds(60)));
   moe::v1::ApplyPlacementResponse applied;
   const grpc::Status status = diagnostics.Apply(advice.placement(), &applied);
-  absl::SleepFor(absl::Milliseconds(500));
+  const int before_change = callers.ok();
+  ASSERT_TRUE(callers.WaitForOk(before_change + 20, absl::Seconds(60)));
   callers.Stop();
   ASSERT_TRUE(status.ok()) << status.error_message() << "\n" << cluster.Logs();
   EXPECT_EQ(applied.generation(), 2u);
@@ -118,7 +119,6 @@ TEST(ReplacementTest, TheEplbAdviceIsAppliedLiveWithoutAFailedCallBitIdentical) 
   EXPECT_EQ(applied.ranks_down_size(), 0);
   EXPECT_EQ(callers.failed(), 0) << callers.first_error() << "\n" << cluster.Logs();
   EXPECT_EQ(callers.wrong(), 0);
-  EXPECT_GT(callers.ok(), 20);
 
   // The gateway and every rank serve the advised placement now.
   const moe::v1::ModelInfo info = Info(cluster);
@@ -139,10 +139,10 @@ TEST(ReplacementTest, TheEplbAdviceIsAppliedLiveWithoutAFailedCallBitIdentical) 
 
   // A window of steps planned with the new placement only: the ranks' load is balanced.
   BusyCallers after(cluster.stub(), kLayer, traffic.inputs, traffic.expected, 16, H, 1);
-  absl::SleepFor(absl::Seconds(1));
+  const bool full = after.WaitForOk(64, absl::Seconds(60));
   after.Stop();
   ASSERT_EQ(after.failed() + after.wrong(), 0) << after.first_error();
-  ASSERT_GE(after.ok(), 64);
+  ASSERT_TRUE(full);
   const double balanced = diagnostics.RankBalance(kLayer);
   EXPECT_GT(balanced, before + 0.1) << "contiguous " << before << ", advised " << balanced;
   std::printf(

@@ -129,6 +129,15 @@ class BusyCallers {
     for (auto& t : threads_)
       if (t.joinable()) t.join();
   }
+  // Waits until `n` calls succeeded (false: `timeout` passed first).
+  bool WaitForOk(int n, absl::Duration timeout) const {
+    const absl::Time end = absl::Now() + timeout;
+    while (ok_ < n) {
+      if (absl::Now() > end) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  }
   int ok() const { return ok_; }
   int failed() const { return failed_; }
   int wrong() const { return wrong_; }
@@ -156,7 +165,7 @@ class BusyCallers {
   std::atomic<bool> stop_{false};
   std::vector<std::thread> threads_;
   std::mutex mu_;
-  int ok_ = 0, failed_ = 0, wrong_ = 0;  // guarded by mu_ while running
+  std::atomic<int> ok_{0}, failed_{0}, wrong_{0};
   std::string first_error_;
   struct Sample {
     absl::Time start;
