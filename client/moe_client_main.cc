@@ -28,6 +28,7 @@
 #include "core/flags.h"
 #include "core/npy.h"
 #include "core/status.h"
+#include "core/version.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
@@ -717,6 +718,10 @@ int main(int argc, char** argv) {
   const std::string command = argv[1];
   if (command == "--help" || command == "-h" || command == "help") {
     std::fputs(moe::kUsage, stdout);
+    return 0;
+  }
+  if (command == "--version") {
+    std::printf("moe-client %s (commit %s)\n", moe::Version(), moe::GitCommit());
     return 0;
   }
   if (command == "forward") return moe::RunForward(argc, argv);

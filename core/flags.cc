@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/version.h"
 
 namespace moe {
 
@@ -68,6 +69,12 @@ absl::Status Flags::Parse(int argc, char** argv, int first) {
       std::fputs(Usage().c_str(), stdout);
       return absl::CancelledError("help");
     }
+    if (arg == "--version") {
+      std::string program = argc > 0 ? argv[0] : "moe";
+      program = program.substr(program.find_last_of('/') + 1);
+      std::printf("%s %s (commit %s)\n", program.c_str(), Version(), GitCommit());
+      return absl::CancelledError("version");
+    }
     if (arg.rfind("--", 0) != 0) {
       positional_.push_back(arg);
       continue;
@@ -118,6 +125,7 @@ std::string Flags::Usage() const {
                  : (f.default_text.empty() ? "" : absl::StrCat(" (default ", f.default_text, ")"));
     absl::StrAppendFormat(&out, "  --%-22s %s%s\n", name, f.help, def);
   }
+  out += "\n--help prints this; --version prints the version and git commit.\n";
   return out;
 }
 

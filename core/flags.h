@@ -25,7 +25,8 @@ class Flags {
   void Require(const std::string& name) { required_.push_back(name); }
 
   // Parses argv[first..argc). Non-flag arguments go to positional(). Returns
-  // InvalidArgument with a one-line message; --help returns Cancelled after printing usage.
+  // InvalidArgument with a one-line message; --help and --version return Cancelled after
+  // printing the usage, or the program's version and git commit.
   absl::Status Parse(int argc, char** argv, int first = 1);
   // Parse, printing "<program>: <message> (see --help)" and exiting 2 on error (0 for --help).
   void ParseOrExit(int argc, char** argv, int first = 1);

@@ -99,6 +99,7 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
       std::make_unique<GatewayMetrics>(config, gateway->engine_->layers(),
                                        gateway->engine_->placement()->placement, options.metrics);
   gateway->engine_->SetObserver(gateway->metrics_.get());
+  gateway->metrics_->SetBuildInfo(gateway->backend_->name());
   gateway->access_ = std::make_unique<AccessControl>(access, gateway->metrics_.get());
   BalanceOptions balance = options.balance;
   balance.per_expert = options.metrics.per_expert;
@@ -108,6 +109,8 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
       std::make_unique<PlacementChanger>(gateway->engine_.get(), gateway->transport_.get(),
                                          [g = gateway.get()] { g->OnRankState(-1, true); });
   gateway->batcher_ = std::make_unique<StepBatcher>(gateway->engine_.get(), options.batcher);
+  gateway->batcher_->SetQueueObserver(
+      [metrics = gateway->metrics_.get()](int64_t tokens) { metrics->SetQueuedTokens(tokens); });
   gateway->ranks_.resize(options.num_ranks);
   gateway->session_ = NewSession();
   gateway->transport_->SetRankStateCallback(
@@ -228,13 +231,14 @@ absl::StatusOr<Gateway::RequestSlot> Gateway::TryBeginRequest() {
     return absl::ResourceExhaustedError(absl::StrCat(in_flight_,
                                                      " requests in flight, the gateway's limit "
                                                      "(--max-concurrent-requests); retry later"));
-  ++in_flight_;
+  metrics_->SetRequestsInFlight(++in_flight_);
   return RequestSlot(this);
 }
 
 void Gateway::EndRequest() {
   std::lock_guard<std::mutex> lock(in_flight_mu_);
-  if (--in_flight_ == 0) in_flight_cv_.notify_all();
+  metrics_->SetRequestsInFlight(--in_flight_);
+  if (in_flight_ == 0) in_flight_cv_.notify_all();
 }
 
 int64_t Gateway::Drain(absl::Duration timeout) {

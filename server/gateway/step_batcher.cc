@@ -52,6 +52,7 @@ absl::Status StepBatcher::Submit(std::shared_ptr<ForwardCall> call) {
     queued_tokens_ += call->tokens;
     q.calls.push_back(std::move(call));
   }
+  QueueChanged();
   q.cv.notify_one();
   return absl::OkStatus();
 }
@@ -73,6 +74,7 @@ void StepBatcher::Run(int layer, LayerQueue* q) {
       if (stop_) return;
       pieces = TakeStep(q, &dead);
     }
+    QueueChanged();
     for (auto& [call, status] : dead) Complete(*call, status);
     if (!pieces.empty()) RunStep(layer, pieces);
   }

@@ -89,6 +89,10 @@ class StepBatcher {
   // queue is over its limit; otherwise the call completes through `done`.
   absl::Status Submit(std::shared_ptr<ForwardCall> call);
   int64_t queued_tokens() const { return queued_tokens_.load(); }
+  // Called with the queued token count whenever it changes (a gauge). Set before traffic.
+  void SetQueueObserver(std::function<void(int64_t tokens)> observer) {
+    queue_observer_ = std::move(observer);
+  }
 
  private:
   struct LayerQueue {
@@ -116,6 +120,10 @@ class StepBatcher {
   std::map<int, std::unique_ptr<LayerQueue>> queues_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> queued_tokens_{0};
+  std::function<void(int64_t)> queue_observer_;
+  void QueueChanged() {
+    if (queue_observer_) queue_observer_(queued_tokens_.load());
+  }
 };
 
 }  // namespace moe

@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/metrics/conventions.h"
 
 namespace moe {
 namespace {
@@ -72,10 +73,14 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
         absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
   }
   exposer->RegisterCollectable(registry);
+  auto process = ProcessCollector();
+  exposer->RegisterCollectable(process);
   const auto ports = exposer->GetListeningPorts();
   const int port = ports.empty() ? 0 : ports.front();
-  return std::unique_ptr<MetricsServer>(
+  auto server = std::unique_ptr<MetricsServer>(
       new MetricsServer(std::move(exposer), WakeHost(address), port));
+  server->process_ = std::move(process);
+  return server;
 }
 
 MetricsServer::MetricsServer(std::unique_ptr<prometheus::Exposer> exposer, std::string wake_host,

@@ -18,7 +18,8 @@ namespace moe {
 // making every process exit wait for up to 2 s.
 class MetricsServer {
  public:
-  // Listens on `address` ("HOST:PORT", port 0 = any free one) and serves `registry`.
+  // Listens on `address` ("HOST:PORT", port 0 = any free one) and serves `registry` and the
+  // process_* metrics.
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::shared_ptr<prometheus::Registry>& registry, const std::string& address,
       int threads);
@@ -38,6 +39,7 @@ class MetricsServer {
   MetricsServer(std::unique_ptr<prometheus::Exposer> exposer, std::string wake_host, int port);
 
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<prometheus::Collectable> process_;  // process_* (the exposer holds it weakly)
   const std::string wake_host_;  // where the destructor connects: the bound address, or loopback
   const int port_;
 };

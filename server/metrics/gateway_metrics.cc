@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "server/metrics/conventions.h"
 #include "server/metrics/exposer.h"
 
 namespace moe {
@@ -41,10 +42,11 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
   using prometheus::BuildHistogram;
-  requests_ = &BuildCounter()
-                   .Name("moe_requests_total")
-                   .Help("Forward requests by layer and gRPC status code")
-                   .Register(*registry_);
+  requests_ =
+      &BuildCounter()
+           .Name("moe_requests_total")
+           .Help("Forward requests by layer and gRPC status code name (OK, UNAVAILABLE, ...)")
+           .Register(*registry_);
   request_seconds_ = &BuildHistogram()
                           .Name("moe_request_duration_seconds")
                           .Help("Forward request latency inside the gateway, by layer")
@@ -97,13 +99,14 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
            .Name("moe_rank_weight_bytes")
            .Help("Routed-expert weight bytes resident on each rank (all served layers)")
            .Register(*registry_);
+  // One name per direction, the same on the gateway and on the ranks.
   sent_bytes_ = &BuildCounter()
-                     .Name("moe_transport_sent_bytes_total")
-                     .Help("Bytes of expert-input rows sent to each rank")
+                     .Name("moe_transport_gateway_to_rank_bytes_total")
+                     .Help("Bytes the gateway put on the wire to each rank (rows, framing)")
                      .Register(*registry_);
   received_bytes_ = &BuildCounter()
-                         .Name("moe_transport_received_bytes_total")
-                         .Help("Bytes of partial sums received from each rank")
+                         .Name("moe_transport_rank_to_gateway_bytes_total")
+                         .Help("Bytes the gateway took off the wire from each rank (partial sums)")
                          .Register(*registry_);
   auth_failures_ = &BuildCounter()
                         .Name("moe_auth_failures_total")
@@ -149,6 +152,20 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
            .Register(*registry_)
            .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.1, 1, 10, 60, 300, 1800});
   SetPlacement(1, placement);
+  requests_in_flight_ = &BuildGauge()
+                             .Name("moe_requests_in_flight")
+                             .Help("Forward requests accepted and not yet answered")
+                             .Register(*registry_)
+                             .Add({});
+  queued_tokens_ = &BuildGauge()
+                        .Name("moe_queue_tokens")
+                        .Help("Tokens of accepted requests waiting for a step, all layers")
+                        .Register(*registry_)
+                        .Add({});
+  build_info_ = &BuildGauge()
+                     .Name("moe_build_info")
+                     .Help("The build and backend of this process (value 1)")
+                     .Register(*registry_);
   info_ =
       &BuildGauge().Name("moe_model_info").Help("The served model (value 1)").Register(*registry_);
   info_
@@ -199,10 +216,10 @@ void GatewayMetrics::OnRequest(int layer, int grpc_code, absl::Duration latency,
   // The layer comes from the client: only served layers become label values, so no caller can
   // mint new series.
   if (served_layers_.count(layer) == 0) {
-    requests_->Add({{"layer", "unserved"}, {"code", L(grpc_code)}}).Increment();
+    requests_->Add({{"layer", "unserved"}, {"code", GrpcCodeName(grpc_code)}}).Increment();
     return;
   }
-  requests_->Add({{"layer", L(layer)}, {"code", L(grpc_code)}}).Increment();
+  requests_->Add({{"layer", L(layer)}, {"code", GrpcCodeName(grpc_code)}}).Increment();
   if (grpc_code == 0) {
     request_seconds_->Add({{"layer", L(layer)}}, LatencyBuckets())
         .Observe(absl::ToDoubleSeconds(latency));
@@ -213,6 +230,18 @@ void GatewayMetrics::OnRequest(int layer, int grpc_code, absl::Duration latency,
 
 void GatewayMetrics::OnRankState(int rank, bool up) {
   rank_up_->Add({{"rank", L(rank)}}).Set(up ? 1 : 0);
+}
+
+void GatewayMetrics::SetRequestsInFlight(int64_t requests) {
+  requests_in_flight_->Set(static_cast<double>(requests));
+}
+
+void GatewayMetrics::SetQueuedTokens(int64_t tokens) {
+  queued_tokens_->Set(static_cast<double>(tokens));
+}
+
+void GatewayMetrics::SetBuildInfo(const std::string& backend) {
+  build_info_->Add(BuildInfoLabels(backend)).Set(1);
 }
 
 void GatewayMetrics::SetPlacement(uint64_t generation, const ExpertPlacement& placement) {

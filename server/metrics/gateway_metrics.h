@@ -57,6 +57,10 @@ class GatewayMetrics final : public StepObserver {
   void OnRankState(int rank, bool up);
   void SetRankWeightBytes(int rank, int64_t bytes);
   void SetExpertsUnavailable(int experts);
+  void SetRequestsInFlight(int64_t requests);
+  void SetQueuedTokens(int64_t tokens);
+  // moe_build_info{version, commit, backend, kernels} = 1, for the gateway's backend.
+  void SetBuildInfo(const std::string& backend);
   // The placement serving now: its generation and each expert's replica count.
   void SetPlacement(uint64_t generation, const ExpertPlacement& placement);
   // A live re-placement ended (took: request to release, when it succeeded).
@@ -107,6 +111,9 @@ class GatewayMetrics final : public StepObserver {
   prometheus::Family<prometheus::Counter>* redispatched_rows_;
   prometheus::Family<prometheus::Gauge>* info_;
   prometheus::Gauge* placement_generation_;
+  prometheus::Gauge* requests_in_flight_;
+  prometheus::Gauge* queued_tokens_;
+  prometheus::Family<prometheus::Gauge>* build_info_;
   prometheus::Family<prometheus::Gauge>* expert_replicas_;
   prometheus::Family<prometheus::Counter>* placement_changes_;
   prometheus::Histogram* placement_change_seconds_;

@@ -1,6 +1,7 @@
 #include "server/metrics/rank_metrics.h"
 
 #include "absl/strings/str_cat.h"
+#include "server/metrics/conventions.h"
 #include "server/metrics/exposer.h"
 
 namespace moe {
@@ -29,13 +30,18 @@ RankMetrics::RankMetrics() : registry_(std::make_shared<prometheus::Registry>())
                        .Name("moe_rank_weight_bytes")
                        .Help("Routed-expert weight bytes resident")
                        .Register(*registry_);
+  // One name per direction, the same on the gateway and on the ranks.
   received_bytes_ = &BuildCounter()
-                         .Name("moe_transport_received_bytes_total")
-                         .Help("Bytes of expert-input rows received from the gateway")
+                         .Name("moe_transport_gateway_to_rank_bytes_total")
+                         .Help("Bytes of expert-input rows this rank received from the gateway")
                          .Register(*registry_);
   sent_bytes_ = &BuildCounter()
-                     .Name("moe_transport_sent_bytes_total")
-                     .Help("Bytes of partial sums sent to the gateway")
+                     .Name("moe_transport_rank_to_gateway_bytes_total")
+                     .Help("Bytes of partial sums this rank sent to the gateway")
+                     .Register(*registry_);
+  build_info_ = &BuildGauge()
+                     .Name("moe_build_info")
+                     .Help("The build and backend of this process (value 1)")
                      .Register(*registry_);
   rank_id_ = &BuildGauge()
                   .Name("moe_rank_id")
@@ -48,6 +54,10 @@ RankMetrics::RankMetrics() : registry_(std::make_shared<prometheus::Registry>())
 }
 
 RankMetrics::~RankMetrics() = default;
+
+void RankMetrics::SetBuildInfo(const std::string& backend) {
+  build_info_->Add(BuildInfoLabels(backend)).Set(1);
+}
 
 absl::Status RankMetrics::Serve(const std::string& address) {
   auto server = MetricsServer::Start(registry_, address, 1);

@@ -23,6 +23,8 @@ class RankMetrics final : public RankStepObserver {
   int port() const { return port_; }
 
   void OnRegistered(int rank, int64_t weight_bytes) override;
+  // moe_build_info{version, commit, backend, kernels} = 1.
+  void SetBuildInfo(const std::string& backend);
   void OnRankStep(const RankStepReport& report) override;
 
  private:
@@ -37,6 +39,7 @@ class RankMetrics final : public RankStepObserver {
   prometheus::Family<prometheus::Counter>* received_bytes_;
   prometheus::Family<prometheus::Counter>* sent_bytes_;
   prometheus::Family<prometheus::Gauge>* rank_id_;
+  prometheus::Family<prometheus::Gauge>* build_info_;
 };
 
 }  // namespace moe

@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, OnSignal);
   moe::RankWorker worker(options);
   moe::RankMetrics metrics;
+  metrics.SetBuildInfo(worker.backend_name());
   if (metrics_port >= 0) {
     if (absl::Status s = metrics.Serve(absl::StrCat(metrics_host, ":", metrics_port)); !s.ok()) {
       std::fprintf(stderr, "moe-rank: %s\n", s.ToString().c_str());

@@ -81,6 +81,7 @@ class RankWorker {
 
   int rank() const { return rank_.load(); }
   int64_t weight_bytes() const { return weight_bytes_.load(); }
+  std::string backend_name() const { return backend_ != nullptr ? backend_->name() : "none"; }
   // Must be set before Run().
   void SetObserver(RankStepObserver* observer) { observer_ = observer; }
 

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/npy.h"
 #include "core/numerics.h"
+#include "core/version.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/client/fake_moe_service.h"
@@ -147,6 +148,10 @@ TEST_F(MoeClientCliTest, ForwardErrorsAndUsage) {
   EXPECT_EQ(Cli("frobnicate").exit_code, 2);
   EXPECT_EQ(Cli("--help").exit_code, 0);
   EXPECT_EQ(Cli("forward --help").exit_code, 0);
+  const CliRun version = Cli("--version");
+  EXPECT_EQ(version.exit_code, 0);
+  EXPECT_EQ(version.out, absl::StrCat("moe-client ", Version(), " (commit ", GitCommit(), ")\n"));
+  EXPECT_EQ(Cli("info --version").exit_code, 0);
   EXPECT_EQ(server_->total_calls(), 1);  // only the NOT_FOUND call reached the server
 }
 

@@ -623,9 +623,9 @@ class ComposeRun:
 
         gw = self.gateway()
         text = self.scrape(f"{LOCAL}:{gw.listen_ports[int(gw.values['metrics-port'])]}")
-        ok = sum(v for l, v in self.samples(text, "moe_requests_total") if l.get("code") == "0")
+        ok = sum(v for l, v in self.samples(text, "moe_requests_total") if l.get("code") == "OK")
         if ok < 3:
-            fail(f"gateway moe_requests_total{{code=\"0\"}} is {ok} after 3 forwards")
+            fail(f"gateway moe_requests_total{{code=\"OK\"}} is {ok} after 3 forwards")
         up = {l["rank"]: v for l, v in self.samples(text, "moe_rank_up")}
         if not up or any(v != 1 for v in up.values()):
             fail(f"gateway moe_rank_up: {up}")

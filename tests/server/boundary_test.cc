@@ -116,6 +116,22 @@ TEST(BoundaryTest, UnservedLayersMintNoMetricsSeries) {
   EXPECT_EQ(metrics.find("layer=\"-5\""), std::string::npos);
   EXPECT_NE(metrics.find("layer=\"unserved\""), std::string::npos);
   EXPECT_NE(metrics.find("layer=\"1\""), std::string::npos);
+  // Prometheus conventions: code names, the build, the process, requests in flight.
+  EXPECT_NE(metrics.find("moe_requests_total{code=\"NOT_FOUND\",layer=\"unserved\"} 3"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("moe_requests_total{code=\"OK\",layer=\"1\"} 1"), std::string::npos);
+  EXPECT_NE(metrics.find("moe_build_info{backend=\"cpu("), std::string::npos);
+  EXPECT_NE(metrics.find("moe_requests_in_flight 0"), std::string::npos);
+  EXPECT_NE(metrics.find("moe_queue_tokens 0"), std::string::npos);
+  for (const char* family : {"process_cpu_seconds_total", "process_resident_memory_bytes",
+                             "process_open_fds", "process_start_time_seconds"})
+    EXPECT_NE(metrics.find(absl::StrCat("\n", family, " ")), std::string::npos) << family;
+  const std::string rank_metrics = Shell(absl::StrCat(
+      "curl -s --max-time 5 http://127.0.0.1:", cluster.rank_metrics_port(0), "/metrics"));
+  EXPECT_NE(rank_metrics.find("moe_transport_gateway_to_rank_bytes_total"), std::string::npos);
+  EXPECT_NE(rank_metrics.find("moe_build_info{"), std::string::npos);
+  EXPECT_NE(rank_metrics.find("\nprocess_resident_memory_bytes "), std::string::npos);
 }
 
 TEST(BoundaryTest, BiasOverrideSourcesAreEscapedAndTheHistoryIsBounded) {
