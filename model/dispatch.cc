@@ -49,24 +49,39 @@ absl::StatusOr<ExpertPlacement> ExpertPlacement::FromRankExperts(
   return p;
 }
 
-absl::StatusOr<ExpertPlacement> ExpertPlacement::Parse(int num_experts, const std::string& text) {
+absl::StatusOr<ExpertPlacement> ExpertPlacement::Parse(int num_experts, const std::string& text,
+                                                       int max_ranks) {
   std::vector<std::vector<int>> ranks;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     line = absl::StripAsciiWhitespace(line);
     if (line.empty() || line[0] == '#') continue;
+    const size_t r = ranks.size();
+    if (static_cast<int64_t>(r) >= max_ranks)
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement has more than ", max_ranks, " ranks"));
     std::vector<int> experts;
+    std::vector<bool> listed(num_experts, false);
     for (absl::string_view item :
          absl::StrSplit(line, absl::ByAnyChar(", \t"), absl::SkipEmpty())) {
       std::vector<absl::string_view> range = absl::StrSplit(item, '-');
       int a, b;
       if (range.size() == 1 && absl::SimpleAtoi(range[0], &a)) {
-        experts.push_back(a);
-      } else if (range.size() == 2 && absl::SimpleAtoi(range[0], &a) &&
-                 absl::SimpleAtoi(range[1], &b) && a <= b) {
-        for (int e = a; e <= b; ++e) experts.push_back(e);
-      } else {
+        b = a;
+      } else if (!(range.size() == 2 && absl::SimpleAtoi(range[0], &a) &&
+                   absl::SimpleAtoi(range[1], &b) && a <= b)) {
         return absl::InvalidArgumentError(
-            absl::StrCat("placement line ", ranks.size() + 1, ": cannot parse '", item, "'"));
+            absl::StrCat("placement line ", r + 1, ": cannot parse '", item, "'"));
+      }
+      for (int e : {a, b})
+        if (e < 0 || e >= num_experts)
+          return absl::InvalidArgumentError(absl::StrCat("placement: rank ", r, " lists expert ", e,
+                                                         " outside [0, ", num_experts, ")"));
+      for (int e = a; e <= b; ++e) {
+        if (listed[e])
+          return absl::InvalidArgumentError(
+              absl::StrCat("placement: rank ", r, " lists expert ", e, " twice"));
+        listed[e] = true;
+        experts.push_back(e);
       }
     }
     ranks.push_back(std::move(experts));

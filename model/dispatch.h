@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -32,7 +33,11 @@ struct ExpertPlacement {
   static absl::StatusOr<ExpertPlacement> FromRankExperts(
       int num_experts, std::vector<std::vector<int>> rank_experts);
   // Text form: one line per rank, expert ids separated by commas or spaces ("0-3,7" ranges ok).
-  static absl::StatusOr<ExpertPlacement> Parse(int num_experts, const std::string& text);
+  // The text may come from the network (ApplyPlacement): ids are checked before a range is
+  // expanded and a rank lists each expert once, so a line costs at most num_experts ids, and
+  // more than `max_ranks` lines are refused before they are stored.
+  static absl::StatusOr<ExpertPlacement> Parse(int num_experts, const std::string& text,
+                                               int max_ranks = std::numeric_limits<int>::max());
   std::string ToString() const;
 };
 

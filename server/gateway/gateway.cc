@@ -72,7 +72,8 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
           absl::StrCat("cannot open placement file ", options.placement_file));
     std::stringstream text;
     text << in.rdbuf();
-    ASSIGN_OR_RETURN(placement, ExpertPlacement::Parse(config.routing.num_experts, text.str()));
+    ASSIGN_OR_RETURN(placement, ExpertPlacement::Parse(config.routing.num_experts, text.str(),
+                                                       options.num_ranks));
     if (placement.num_ranks() != options.num_ranks)
       return absl::InvalidArgumentError(absl::StrCat("placement file has ", placement.num_ranks(),
                                                      " ranks, --ranks is ", options.num_ranks));
@@ -379,8 +380,9 @@ absl::StatusOr<PlacementChange> Gateway::ApplyPlacement(const std::string& text,
 
 absl::StatusOr<PlacementChange> Gateway::ChangePlacement(const std::string& text,
                                                          const std::string& source) {
-  ASSIGN_OR_RETURN(ExpertPlacement next,
-                   ExpertPlacement::Parse(engine_->config().routing.num_experts, text));
+  ASSIGN_OR_RETURN(
+      ExpertPlacement next,
+      ExpertPlacement::Parse(engine_->config().routing.num_experts, text, options_.num_ranks));
   std::fprintf(stderr, "moe-gateway: placement change requested by %s\n",
                absl::CEscape(source.substr(0, 256)).c_str());
   std::fflush(stderr);

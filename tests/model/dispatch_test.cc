@@ -43,6 +43,22 @@ TEST(GroupByExpertTest, OffsetsThatDescendAreRefusedBeforeAnyRowIsRead) {
             "row assignment offsets not ascending");
 }
 
+// A placement text can come from the network: nothing in it may make the parser expand more
+// than num_experts ids per rank, or store more ranks than allowed.
+TEST(ExpertPlacementTest, ParseRefusesHugeRangesRepeatsAndTooManyRanks) {
+  auto ok = ExpertPlacement::Parse(8, "# comment\n0-3, 7\n4-6\n", 2);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->rank_experts[0], (std::vector<int>{0, 1, 2, 3, 7}));
+  EXPECT_EQ(ExpertPlacement::Parse(8, "0-2147483647\n").status().message(),
+            "placement: rank 0 lists expert 2147483647 outside [0, 8)");
+  EXPECT_EQ(ExpertPlacement::Parse(8, "0-7\n3-5,0-7,0-7\n").status().message(),
+            "placement: rank 1 lists expert 3 twice");
+  EXPECT_EQ(ExpertPlacement::Parse(8, "0-7\n0-7\n0-7\n", 2).status().message(),
+            "placement has more than 2 ranks");
+  EXPECT_EQ(ExpertPlacement::Parse(8, "0-7\n-1\n").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 Routing MakeRouting(int top_k, std::vector<int32_t> ids) {
   Routing r;
   r.top_k = top_k;
