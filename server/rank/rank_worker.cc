@@ -7,7 +7,6 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "core/status.h"
 #include "security/tokens.h"
 #include "server/backend_factory.h"
@@ -42,15 +41,8 @@ void PrefaultWeights(const ExpertShardWeights& weights) {
     }
 }
 
-// What a shard set is: the checkpoint, the precision and each layer's experts. A rank that
-// registers again keeps the shards whose layout the new registration asks for.
-std::string LayoutKey(const std::string& prefix,
-                      const std::vector<std::pair<int, std::vector<int>>>& layers) {
-  std::string key = prefix;
-  for (const auto& [layer, experts] : layers)
-    absl::StrAppend(&key, "|", layer, ":", absl::StrJoin(experts, ","));
-  return key;
-}
+// Each layer's experts, as a registration asks for them or as a shard set holds them.
+using ShardLayout = std::vector<std::pair<int, std::vector<int>>>;
 
 // Overwrites the first partial sum with NaN, wherever the backend keeps it.
 absl::Status PoisonPartials(PartialView partial, Backend* backend) {
@@ -106,6 +98,12 @@ void RankWorker::SetControlSink(
   control_sink_ = std::move(sink);
 }
 
+int64_t RankWorker::Bytes(const LayerShards& shards) {
+  int64_t bytes = 0;
+  for (const auto& [layer, shard] : shards) bytes += shard->weight_bytes();
+  return bytes;
+}
+
 std::shared_ptr<ExpertShard> RankWorker::FindShard(uint64_t generation, int layer) {
   std::lock_guard<std::mutex> lock(shards_mu_);
   auto g = generations_.find(generation);
@@ -128,8 +126,7 @@ void RankWorker::OnControl(const moe::v1::internal::GatewayToRank& message) {
   if (kept == generations_.end()) return;  // never loaded here: keep what serves
   LayerShards shards = std::move(kept->second);
   generations_.clear();  // steps still running hold their shards (shared_ptr)
-  int64_t bytes = 0;
-  for (const auto& [layer, shard] : shards) bytes += shard->weight_bytes();
+  const int64_t bytes = Bytes(shards);
   generations_[keep] = std::move(shards);
   weight_bytes_ = bytes;
   std::fprintf(stderr, "moe-rank %d: serving placement generation %llu (%.2f GB of weights)\n",
@@ -166,9 +163,7 @@ void RankWorker::LoaderLoop() {
     loaded->set_generation(request.generation());
     loaded->set_load_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
     if (built.ok()) {
-      int64_t bytes = 0;
-      for (const auto& [layer, shard] : *built) bytes += shard->weight_bytes();
-      loaded->set_weight_bytes(bytes);
+      loaded->set_weight_bytes(Bytes(*built));
       std::lock_guard<std::mutex> lock(shards_mu_);
       generations_[request.generation()] = std::move(*built);
     } else {
@@ -221,11 +216,10 @@ absl::Status RankWorker::LoadRegisteredShards(
       options_.checkpoint.empty() ? registration.checkpoint() : options_.checkpoint;
   const std::string prefix =
       absl::StrCat(dir, "|", moe::v1::internal::Precision_Name(registration.precision()));
-  std::vector<std::pair<int, std::vector<int>>> wanted;
+  ShardLayout wanted;
   for (const auto& shard : registration.shards())
     wanted.emplace_back(shard.layer(),
                         std::vector<int>(shard.experts().begin(), shard.experts().end()));
-  const std::string key = LayoutKey(prefix, wanted);
   const uint64_t generation = registration.placement_generation();
   std::lock_guard<std::mutex> load_lock(load_mu_);
   {
@@ -238,9 +232,9 @@ absl::Status RankWorker::LoadRegisteredShards(
     // Registering again (the gateway restarted or lost us): keep a held shard set of the same
     // layout, under the generation the gateway uses now.
     for (auto& [held_generation, shards] : generations_) {
-      std::vector<std::pair<int, std::vector<int>>> layout;
-      for (const auto& [layer, shard] : shards) layout.emplace_back(layer, shard->expert_ids());
-      if (LayoutKey(prefix, layout) != key) continue;
+      ShardLayout held;
+      for (const auto& [layer, shard] : shards) held.emplace_back(layer, shard->expert_ids());
+      if (held != wanted) continue;
       LayerShards kept = std::move(shards);
       generations_.clear();
       generations_[generation] = std::move(kept);
@@ -251,10 +245,8 @@ absl::Status RankWorker::LoadRegisteredShards(
   loaded_prefix_.clear();
   ASSIGN_OR_RETURN(checkpoint_, Checkpoint::Open(dir));
   ASSIGN_OR_RETURN(LayerShards shards, BuildShards(registration.shards(), {}));
-  int64_t bytes = 0;
-  for (const auto& [layer, shard] : shards) bytes += shard->weight_bytes();
+  weight_bytes_ = Bytes(shards);
   generations_[generation] = std::move(shards);
-  weight_bytes_ = bytes;
   loaded_prefix_ = prefix;
   return absl::OkStatus();
 }

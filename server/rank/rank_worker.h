@@ -94,6 +94,7 @@ class RankWorker {
   void SetCancel(std::function<void()> cancel);
   // Per layer, the shard of one placement generation.
   using LayerShards = std::map<int, std::shared_ptr<ExpertShard>>;
+  static int64_t Bytes(const LayerShards& shards);  // their weight bytes
   absl::Status LoadRegisteredShards(const moe::v1::internal::RegisterResponse& registration);
   // Loads `shards`, reusing the layers of `reuse` whose expert lists are the same.
   absl::StatusOr<LayerShards> BuildShards(
@@ -113,7 +114,7 @@ class RankWorker {
   std::unique_ptr<moe::v1::internal::RankControl::Stub> stub_;
   std::unique_ptr<Checkpoint> checkpoint_;  // guarded by load_mu_
   std::mutex load_mu_;                      // one load at a time (registration or LoadShards)
-  std::string loaded_prefix_;  // guarded by load_mu_: checkpoint + precision of the shards held
+  std::string loaded_prefix_;  // guarded by load_mu_: checkpoint | precision of the shards held
   std::mutex shards_mu_;
   std::map<uint64_t, LayerShards> generations_;  // guarded by shards_mu_
   // Device backends (one CUDA stream): loading and steps take turns; a CPU rank loads beside
