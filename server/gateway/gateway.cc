@@ -14,6 +14,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/backend_factory.h"
+#include "server/gateway/kserve_service.h"
 #include "server/gateway/services.h"
 
 #include <thread>
@@ -187,6 +188,7 @@ absl::Status Gateway::Start() {
   moe_service_ = std::make_unique<MoeServiceImpl>(this);
   control_service_ = std::make_unique<RankControlServiceImpl>(this);
   diagnostics_service_ = std::make_unique<DiagnosticsServiceImpl>(this);
+  kserve_service_ = std::make_unique<KServeServiceImpl>(this);
   // Receive limits guard the gateway's memory; send limits only need to fit what it sends.
   auto listen = [&](grpc::ServerBuilder& builder, const std::string& host, int port, int* bound,
                     int64_t receive_limit, int64_t send_limit) {
@@ -214,6 +216,7 @@ absl::Status Gateway::Start() {
          options_.max_request_tokens * c.hidden_size * int64_t{4} + (int64_t{1} << 20));
   builder.RegisterService(moe_service_.get());
   builder.RegisterService(diagnostics_service_.get());
+  builder.RegisterService(kserve_service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0)
     return absl::UnavailableError(

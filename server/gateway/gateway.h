@@ -38,6 +38,7 @@ namespace moe {
 class MoeServiceImpl;
 class RankControlServiceImpl;
 class DiagnosticsServiceImpl;
+class KServeServiceImpl;
 
 struct GatewayOptions {
   std::string checkpoint;        // checkpoint directory (config.json + safetensors)
@@ -213,6 +214,7 @@ class Gateway {
   std::unique_ptr<MoeServiceImpl> moe_service_;
   std::unique_ptr<RankControlServiceImpl> control_service_;
   std::unique_ptr<DiagnosticsServiceImpl> diagnostics_service_;
+  std::unique_ptr<KServeServiceImpl> kserve_service_;
   std::unique_ptr<AccessControl> access_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> control_server_;

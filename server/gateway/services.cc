@@ -84,30 +84,30 @@ grpc::Status MoeServiceImpl::Forward(grpc::ServerContext* context, const Forward
   absl::Duration queue;
   // Counted before MakeCall checks draining(): Drain either sees this request or it sees drain.
   absl::StatusOr<Gateway::RequestSlot> slot = gateway_->TryBeginRequest();
-  const grpc::Status status =
-      slot.ok() ? ForwardOnce(context, request, response, &queue) : ToGrpcStatus(slot.status());
+  const grpc::Status status = slot.ok()
+                                  ? RunForward(*gateway_, *context, *request, response, &queue)
+                                  : ToGrpcStatus(slot.status());
   gateway_->metrics().OnRequest(request->layer(), status.error_code(), absl::Now() - start, queue);
   return status;
 }
 
-grpc::Status MoeServiceImpl::ForwardOnce(grpc::ServerContext* context,
-                                         const ForwardRequest* request_ptr,
-                                         ForwardResponse* response, absl::Duration* queue) {
-  const ForwardRequest* request = request_ptr;
+grpc::Status RunForward(Gateway& gateway, grpc::ServerContext& context,
+                        const ForwardRequest& request, ForwardResponse* response,
+                        absl::Duration* queue) {
   ValidatedRequest validated;
-  auto call = MakeCall(*gateway_, *request, DeadlineOf(*context), &validated);
+  auto call = MakeCall(gateway, request, DeadlineOf(context), &validated);
   if (!call.ok()) return ToGrpcStatus(call.status());
-  if (absl::Status s = gateway_->batcher().Submit(*call); !s.ok()) return ToGrpcStatus(s);
+  if (absl::Status s = gateway.batcher().Submit(*call); !s.ok()) return ToGrpcStatus(s);
   // Wait for the step, watching for the client going away.
   while (!(*call)->done.WaitFor(absl::Milliseconds(20))) {
-    if (context->IsCancelled()) {
+    if (context.IsCancelled()) {
       (*call)->cancelled = true;
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
     }
   }
   *queue = (*call)->queue_time;
   if (!(*call)->status.ok()) return ToGrpcStatus((*call)->status);
-  FillResponse(**call, validated, *request, response);
+  FillResponse(**call, validated, request, response);
   return grpc::Status::OK;
 }
 

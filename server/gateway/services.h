@@ -7,6 +7,14 @@
 
 namespace moe {
 
+// One unary Forward: validates `request`, runs it in the batcher's steps and waits, watching for
+// the caller going away. Both public APIs (moe.v1 Forward and the Open Inference Protocol's
+// ModelInfer) call it, so they share validation, status codes and batching. `queue` gets the
+// time the request waited to join a step.
+grpc::Status RunForward(Gateway& gateway, grpc::ServerContext& context,
+                        const moe::v1::ForwardRequest& request, moe::v1::ForwardResponse* response,
+                        absl::Duration* queue);
+
 class MoeServiceImpl final : public moe::v1::MoeService::Service {
  public:
   explicit MoeServiceImpl(Gateway* gateway) : gateway_(gateway) {}
@@ -21,8 +29,6 @@ class MoeServiceImpl final : public moe::v1::MoeService::Service {
                             moe::v1::ModelInfo* response) override;
 
  private:
-  grpc::Status ForwardOnce(grpc::ServerContext* context, const moe::v1::ForwardRequest* request,
-                           moe::v1::ForwardResponse* response, absl::Duration* queue);
   Gateway* gateway_;
 };
 

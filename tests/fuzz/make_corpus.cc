@@ -14,6 +14,7 @@
 
 #include "core/npy.h"
 #include "core/numerics.h"
+#include "inference/grpc_service.pb.h"
 #include "model/config.h"
 #include "model/safetensors.h"
 #include "model/synthetic.h"
@@ -170,6 +171,46 @@ void RequestCorpus() {
   Write("request", "bad-width.pb", Request(1, {2, 64}, v1::BF16));
 }
 
+// ---- kserve ---------------------------------------------------------------------------------
+
+// A ModelInferRequest of `tokens` x 640 values, raw (or typed fp32_contents), asking for `outputs`.
+std::string Infer(const std::string& model, const std::string& datatype, int64_t tokens,
+                  const std::vector<std::string>& outputs, bool typed = false) {
+  inference::ModelInferRequest r;
+  r.set_model_name(model);
+  r.set_id("seed");
+  auto* input = r.add_inputs();
+  input->set_name("hidden_states");
+  input->set_datatype(datatype);
+  input->add_shape(tokens);
+  input->add_shape(640);
+  std::vector<float> values(tokens * 640);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i % 13) - 1.5f;
+  if (typed) {
+    for (float v : values) input->mutable_contents()->add_fp32_contents(v);
+  } else {
+    v1::Tensor t;
+    Check(EncodeTensor(values.data(), {tokens, 640},
+                       datatype == "BF16"   ? v1::BF16
+                       : datatype == "FP16" ? v1::FP16
+                                            : v1::FP32,
+                       &t));
+    r.add_raw_input_contents(t.data());
+  }
+  for (const std::string& name : outputs) r.add_outputs()->set_name(name);
+  return r.SerializeAsString();
+}
+
+void KServeCorpus() {
+  Write("kserve", "fp32-2x640.pb", Infer("moe-layer-1", "FP32", 2, {}));
+  Write("kserve", "bf16-1x640-routing.pb",
+        Infer("moe-layer-2", "BF16", 1, {"output", "expert_ids", "routing_weights"}));
+  Write("kserve", "fp16-1x640-ids.pb", Infer("moe-layer-1", "FP16", 1, {"expert_ids"}));
+  Write("kserve", "typed-fp32-1x640.pb", Infer("moe-layer-2", "FP32", 1, {"output"}, true));
+  Write("kserve", "bad-model.pb", Infer("moe-layer-x", "FP32", 1, {}));
+  Write("kserve", "bad-output.pb", Infer("moe-layer-1", "BF16", 1, {"logits"}));
+}
+
 // ---- step -----------------------------------------------------------------------------------
 
 std::string Step(int rows, int width, Precision p, bool drop_last_byte = false) {
@@ -218,6 +259,7 @@ int main(int argc, char** argv) {
   moe::SafetensorsCorpus();
   moe::ConfigCorpus();
   moe::RequestCorpus();
+  moe::KServeCorpus();
   moe::StepCorpus();
   return 0;
 }

@@ -3,35 +3,11 @@
 // and its default --max-request-tokens.
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
-#include <string>
 
-#include "model/config.h"
 #include "server/gateway/request_validation.h"
 #include "tests/fuzz/fuzz_check.h"
+#include "tests/fuzz/k3_mini_limits.h"
 #include "tests/fuzz/quiet_protobuf.h"
-
-namespace {
-
-moe::RequestLimits K3MiniLimits() {
-  // The committed seed config: the embedded k3-mini model's config.json.
-  const char* const path = MOE_SOURCE_DIR "/tests/fuzz/corpus/config/k3-mini.json";
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  const absl::StatusOr<moe::MoeConfig> config = moe::ParseMoeConfig(text.str());
-  if (!config.ok()) {
-    std::fprintf(stderr, "%s: %s\n", path, config.status().ToString().c_str());
-    std::abort();
-  }
-  return moe::RequestLimits{config->hidden_size, /*max_request_tokens=*/4096,
-                            config->MoeLayerIndices()};
-}
-
-}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const QuietProtobuf quiet;

@@ -28,7 +28,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-class PythonClientServiceTest(unittest.TestCase):
+class ClusterFixture(unittest.TestCase):
+    """moe-cluster (gateway + 2 ranks) on a fresh k3-mini for a test class, and moe-forward as the
+    in-process reference; holds no tests itself (kserve_service_test.py reuses it)."""
     # Extra moe-cluster flags and client arguments (the TLS subclass below).
     cluster_flags = []
     gateway_flags = []
@@ -79,6 +81,8 @@ class PythonClientServiceTest(unittest.TestCase):
                        check=True, stderr=subprocess.DEVNULL)
         return np.load(path_out)
 
+
+class PythonClientServiceTest(ClusterFixture):
     def test_health_and_info(self):
         self.assertEqual(self.client.health(), "SERVING")
         info = self.client.info()

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "moe/v1/internal.grpc.pb.h"
 #include "security/credentials.h"
 #include "security/tokens.h"
@@ -306,6 +308,50 @@ TEST_F(SecurityTest, ApiAndAdminTokensAreEnforcedAndHealthStaysOpen) {
   EXPECT_EQ(load_balance("api-secret-1").error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(load_balance("").error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(load_balance("admin-secret-2").ok());
+
+  // The Open Inference Protocol: the same caller token for inference and metadata; its
+  // liveness and readiness probes stay open, as health does.
+  auto kserve = inference::GRPCInferenceService::NewStub(channel);
+  inference::ModelInferResponse inferred;
+  auto infer = [&](const std::string& token) {
+    grpc::ClientContext context;
+    AddBearerToken(&context, token);
+    inference::ModelInferRequest request;
+    request.set_model_name(absl::StrCat("moe-layer-", layer_));
+    auto* input = request.add_inputs();
+    input->set_name("hidden_states");
+    input->set_datatype("FP32");
+    input->add_shape(5);
+    input->add_shape(reference_->config().hidden_size);
+    request.add_raw_input_contents(
+        std::string(reinterpret_cast<const char*>(x_.data()), x_.size() * sizeof(float)));
+    inferred.Clear();
+    return kserve->ModelInfer(&context, request, &inferred);
+  };
+  EXPECT_EQ(infer("").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(infer("api-secret-0").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  ASSERT_TRUE(infer("api-secret-1").ok());
+  ASSERT_EQ(inferred.raw_output_contents_size(), 1);
+  std::vector<float> output(expected_.size());
+  ASSERT_EQ(inferred.raw_output_contents(0).size(), output.size() * sizeof(float));
+  std::memcpy(output.data(), inferred.raw_output_contents(0).data(), output.size() * sizeof(float));
+  EXPECT_EQ(output, expected_);  // bit for bit, as Forward
+  {
+    grpc::ClientContext context;
+    inference::ModelMetadataRequest request;
+    request.set_name(absl::StrCat("moe-layer-", layer_));
+    inference::ModelMetadataResponse response;
+    EXPECT_EQ(kserve->ModelMetadata(&context, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext context;
+    inference::ModelReadyRequest request;
+    request.set_name(absl::StrCat("moe-layer-", layer_));
+    inference::ModelReadyResponse response;
+    ASSERT_TRUE(kserve->ModelReady(&context, request, &response).ok());
+    EXPECT_TRUE(response.ready());
+  }
 }
 
 TEST_F(SecurityTest, RotatedCertificatesServeNewConnectionsWhileRankStreamsStay) {

@@ -1,0 +1,96 @@
+#include "server/gateway/kserve_service.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/version.h"
+#include "model/config.h"
+#include "server/gateway/kserve_codec.h"
+#include "server/gateway/services.h"
+#include "server/grpc_status.h"
+
+namespace moe {
+
+bool KServeServiceImpl::Serving() const { return gateway_->ready() && !gateway_->draining(); }
+
+absl::StatusOr<int> KServeServiceImpl::ServedLayer(const std::string& name,
+                                                   const std::string& version) const {
+  absl::StatusOr<int> layer = KServeModelLayer(name);
+  if (!layer.ok()) return layer.status();
+  if (absl::Status s = CheckKServeModelVersion(name, version); !s.ok()) return s;
+  const std::vector<int>& served = gateway_->engine().layers();
+  if (std::find(served.begin(), served.end(), *layer) == served.end())
+    return absl::NotFoundError(absl::StrCat("model '", name, "': layer ", *layer,
+                                            " is not served (GetModelInfo lists the layers)"));
+  return layer;
+}
+
+grpc::Status KServeServiceImpl::ServerLive(grpc::ServerContext*,
+                                           const inference::ServerLiveRequest*,
+                                           inference::ServerLiveResponse* response) {
+  response->set_live(true);  // answering at all is the liveness
+  return grpc::Status::OK;
+}
+
+grpc::Status KServeServiceImpl::ServerReady(grpc::ServerContext*,
+                                            const inference::ServerReadyRequest*,
+                                            inference::ServerReadyResponse* response) {
+  response->set_ready(Serving());
+  return grpc::Status::OK;
+}
+
+grpc::Status KServeServiceImpl::ModelReady(grpc::ServerContext*,
+                                           const inference::ModelReadyRequest* request,
+                                           inference::ModelReadyResponse* response) {
+  // A question, not a lookup: an unknown model is not ready (no error, as probes expect).
+  response->set_ready(ServedLayer(request->name(), request->version()).ok() && Serving());
+  return grpc::Status::OK;
+}
+
+grpc::Status KServeServiceImpl::ServerMetadata(grpc::ServerContext* context,
+                                               const inference::ServerMetadataRequest*,
+                                               inference::ServerMetadataResponse* response) {
+  if (grpc::Status s = gateway_->access().Caller(*context, "ServerMetadata"); !s.ok()) return s;
+  response->set_name("moe-gateway");
+  response->set_version(Version());
+  return grpc::Status::OK;
+}
+
+grpc::Status KServeServiceImpl::ModelMetadata(grpc::ServerContext* context,
+                                              const inference::ModelMetadataRequest* request,
+                                              inference::ModelMetadataResponse* response) {
+  if (grpc::Status s = gateway_->access().Caller(*context, "ModelMetadata"); !s.ok()) return s;
+  absl::StatusOr<int> layer = ServedLayer(request->name(), request->version());
+  if (!layer.ok()) return ToGrpcStatus(layer.status());
+  const MoeConfig& c = gateway_->engine().config();
+  FillKServeModelMetadata(*layer, c.hidden_size, c.routing.top_k, ModelFamilyName(c.family),
+                          response);
+  return grpc::Status::OK;
+}
+
+grpc::Status KServeServiceImpl::ModelInfer(grpc::ServerContext* context,
+                                           const inference::ModelInferRequest* request,
+                                           inference::ModelInferResponse* response) {
+  if (grpc::Status s = gateway_->access().Caller(*context, "ModelInfer"); !s.ok()) return s;
+  const absl::Time start = absl::Now();
+  absl::Duration queue;
+  grpc::Status status;
+  // As Forward: the slot is taken before anything else, so drain sees this request.
+  absl::StatusOr<Gateway::RequestSlot> slot = gateway_->TryBeginRequest();
+  absl::StatusOr<KServeCall> call =
+      slot.ok() ? ToForwardRequest(*request) : absl::StatusOr<KServeCall>(slot.status());
+  if (!call.ok()) {
+    status = ToGrpcStatus(call.status());
+  } else {
+    moe::v1::ForwardResponse forward;
+    status = RunForward(*gateway_, *context, call->forward, &forward, &queue);
+    if (status.ok()) ToModelInferResponse(*request, *call, forward, response);
+  }
+  const absl::StatusOr<int> layer = KServeModelLayer(request->model_name());
+  gateway_->metrics().OnRequest(layer.ok() ? *layer : -1, status.error_code(), absl::Now() - start,
+                                queue);
+  return status;
+}
+
+}  // namespace moe

@@ -1,0 +1,284 @@
+"""The Open Inference Protocol (KServe v2) on the gateway, against real processes on loopback
+(moe-cluster: gateway + 2 ranks, k3-mini), with two clients:
+
+- one generated from proto/inference/grpc_service.proto (build/python/inference, Debian's grpcio);
+- tritonclient[grpc] from PyPI, pinned, in a venv this test makes under the build tree. It runs
+  as a subprocess (kserve_tritonclient_check.py): its stubs and ours both define inference.*,
+  which one protobuf descriptor pool refuses. It also checks that our proto and tritonclient's
+  agree field for field.
+
+Every output is compared bit for bit with moe.v1 Forward on the same gateway (which
+python_client_service_test.py compares with moe-forward, the in-process layer). Run by ctest
+(labels python, service) with MOE_BIN_DIR, MOE_PYTHON_STUBS and MOE_KSERVE_VENV set.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+import urllib.request
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from python_client_service_test import SOURCE_DIR, ClusterFixture, free_port, moe_client  # noqa: E402
+
+sys.path.insert(0, os.environ.get("MOE_PYTHON_STUBS", os.path.join(SOURCE_DIR, "build", "python")))
+from inference import grpc_service_pb2 as pb  # noqa: E402
+from inference import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
+
+HIDDEN = 640
+TOP_K = 2
+MAX_TOKENS = 300
+
+# tritonclient and what it needs, pinned: a newer tritonclient needs a newer grpcio than
+# Debian's, so the venv does not see the system's packages.
+TRITON_PINS = ["tritonclient[grpc]==2.51.0", "grpcio==1.67.1", "protobuf==4.25.5", "numpy==1.26.4",
+               "python-rapidjson==1.25", "packaging==26.4", "urllib3==2.8.0"]
+
+
+def ensure_triton_venv(path):
+    """The venv with TRITON_PINS, made once per build tree (needs PyPI the first time)."""
+    stamp = os.path.join(path, "moe-pins.txt")
+    want = "\n".join(TRITON_PINS) + "\n"
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read() == want:
+                return os.path.join(path, "bin", "python")
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--clear", path], check=True)
+    pip = subprocess.run([os.path.join(path, "bin", "pip"), "install", "--quiet", "--disable-pip-version-check",
+                          *TRITON_PINS], capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        raise RuntimeError("could not install tritonclient from PyPI into " + path + ":\n" + pip.stderr[-3000:])
+    with open(stamp, "w") as f:
+        f.write(want)
+    return os.path.join(path, "bin", "python")
+
+
+def bf16_round(x):
+    """x rounded to the nearest bf16 (even on ties), as float32."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def bf16_bytes(x):
+    return (bf16_round(x).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def bf16_from_bytes(data, shape):
+    bits = np.frombuffer(data, np.uint16).astype(np.uint32) << 16
+    return bits.view(np.float32).reshape(shape)
+
+
+def metric_value(text, name, labels):
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+class KServeServiceTest(ClusterFixture):
+    @classmethod
+    def prepare(cls):
+        cls.metrics_port = free_port()
+        cls.gateway_flags = ["--max-request-tokens", str(MAX_TOKENS), "--metrics-port", str(cls.metrics_port)]
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.channel = grpc.insecure_channel(f"127.0.0.1:{cls.port}",
+                                            options=[("grpc.max_receive_message_length", 64 << 20),
+                                                     ("grpc.max_send_message_length", 64 << 20)])
+        cls.kserve = pb_grpc.GRPCInferenceServiceStub(cls.channel)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.channel.close()
+        super().tearDownClass()
+
+    def forward(self, layer, x, dtype):
+        """moe.v1 Forward: output in `dtype` (as float32 values) and the routing."""
+        y, routing = self.client.forward(layer, x, dtype=dtype, return_routing=True, output_dtype=dtype)
+        return y, routing
+
+    def infer(self, layer, x, datatype, outputs=(), typed=False, parameters=None):
+        request = pb.ModelInferRequest(model_name=f"moe-layer-{layer}", id="req-7")
+        tensor = request.inputs.add(name="hidden_states", datatype=datatype, shape=list(x.shape))
+        if typed:
+            tensor.contents.fp32_contents.extend(x.astype(np.float32).ravel().tolist())
+        elif datatype == "FP32":
+            request.raw_input_contents.append(x.astype("<f4").tobytes())
+        elif datatype == "FP16":
+            request.raw_input_contents.append(x.astype("<f2").tobytes())
+        else:
+            request.raw_input_contents.append(bf16_bytes(x))
+        for name in outputs:
+            request.outputs.add(name=name)
+        for key, value in (parameters or {}).items():
+            request.parameters[key].string_param = value
+        return self.kserve.ModelInfer(request, timeout=60)
+
+    @staticmethod
+    def decode(response, index):
+        out = response.outputs[index]
+        raw = response.raw_output_contents[index]
+        shape = tuple(out.shape)
+        if out.datatype == "FP32":
+            return np.frombuffer(raw, "<f4").reshape(shape)
+        if out.datatype == "FP16":
+            return np.frombuffer(raw, "<f2").astype(np.float32).reshape(shape)
+        if out.datatype == "BF16":
+            return bf16_from_bytes(raw, shape)
+        if out.datatype == "INT32":
+            return np.frombuffer(raw, "<i4").reshape(shape)
+        raise AssertionError(out.datatype)
+
+    def assert_code(self, code, fn):
+        with self.assertRaises(grpc.RpcError) as ctx:
+            fn()
+        self.assertEqual(ctx.exception.code(), code, ctx.exception.details())
+        return ctx.exception.details()
+
+    def test_health_and_metadata(self):
+        self.assertTrue(self.kserve.ServerLive(pb.ServerLiveRequest()).live)
+        self.assertTrue(self.kserve.ServerReady(pb.ServerReadyRequest()).ready)
+        meta = self.kserve.ServerMetadata(pb.ServerMetadataRequest())
+        self.assertEqual(meta.name, "moe-gateway")
+        self.assertTrue(meta.version)
+        for name, version, ready in [("moe-layer-1", "", True), ("moe-layer-2", "1", True), ("moe-layer-2", "2", False),
+                                     ("moe-layer-9", "", False), ("moe-layer-", "", False), ("bogus", "", False),
+                                     ("moe-layer-+1", "", False)]:
+            self.assertEqual(self.kserve.ModelReady(pb.ModelReadyRequest(name=name, version=version)).ready, ready,
+                             f"{name} {version}")
+        model = self.kserve.ModelMetadata(pb.ModelMetadataRequest(name="moe-layer-2"))
+        self.assertEqual(model.name, "moe-layer-2")
+        self.assertEqual(list(model.versions), ["1"])
+        self.assertEqual([(t.name, t.datatype, list(t.shape)) for t in model.inputs],
+                         [("hidden_states", "BF16", [-1, HIDDEN])])
+        self.assertEqual([(t.name, t.datatype, list(t.shape)) for t in model.outputs],
+                         [("output", "BF16", [-1, HIDDEN]), ("expert_ids", "INT32", [-1, TOP_K]),
+                          ("routing_weights", "FP32", [-1, TOP_K])])
+        self.assert_code(grpc.StatusCode.NOT_FOUND,
+                         lambda: self.kserve.ModelMetadata(pb.ModelMetadataRequest(name="moe-layer-9")))
+        self.assert_code(grpc.StatusCode.NOT_FOUND,
+                         lambda: self.kserve.ModelMetadata(pb.ModelMetadataRequest(name="moe-layer-1", version="3")))
+
+    def test_outputs_are_bit_identical_to_forward(self):
+        rng = np.random.default_rng(11)
+        for layer, shape in [(1, (1, HIDDEN)), (2, (3, HIDDEN)), (1, (257, HIDDEN)), (2, (2, 3, HIDDEN))]:
+            x = rng.standard_normal(shape).astype(np.float32)
+            for datatype, dtype in [("FP32", "fp32"), ("FP16", "fp16"), ("BF16", "bf16")]:
+                want, routing = self.forward(layer, x, dtype)
+                response = self.infer(layer, x, datatype, outputs=("output", "expert_ids", "routing_weights"))
+                what = f"layer {layer} shape {shape} {datatype}"
+                self.assertEqual(response.model_name, f"moe-layer-{layer}")
+                self.assertEqual(response.model_version, "1")
+                self.assertEqual(response.id, "req-7")
+                self.assertEqual([o.name for o in response.outputs], ["output", "expert_ids", "routing_weights"])
+                self.assertEqual(response.outputs[0].datatype, datatype)
+                np.testing.assert_array_equal(self.decode(response, 0), want.reshape(shape), err_msg=what)
+                routing_shape = shape[:-1] + (TOP_K,)
+                np.testing.assert_array_equal(self.decode(response, 1),
+                                              np.asarray(routing.expert_ids).reshape(routing_shape), err_msg=what)
+                np.testing.assert_array_equal(self.decode(response, 2),
+                                              np.asarray(routing.weights, np.float32).reshape(routing_shape),
+                                              err_msg=what)
+                self.assertGreater(response.parameters["step_tokens"].int64_param, 0)
+        # The typed fp32_contents field, an output dtype other than the input's, only the routing.
+        x = rng.standard_normal((5, HIDDEN)).astype(np.float32)
+        want, routing = self.forward(1, x, "fp32")
+        np.testing.assert_array_equal(self.decode(self.infer(1, x, "FP32", typed=True), 0), want)
+        want_bf16, _ = self.client.forward(1, x, dtype="fp32", output_dtype="bf16")
+        response = self.infer(1, x, "FP32", parameters={"output_datatype": "BF16"})
+        self.assertEqual(response.outputs[0].datatype, "BF16")
+        np.testing.assert_array_equal(self.decode(response, 0), want_bf16)
+        response = self.infer(1, x, "FP32", outputs=("expert_ids",))
+        self.assertEqual([o.name for o in response.outputs], ["expert_ids"])
+        np.testing.assert_array_equal(self.decode(response, 0).ravel(), np.asarray(routing.expert_ids).ravel())
+
+    def test_bad_requests_get_the_codes_forward_gives(self):
+        x = np.random.default_rng(2).standard_normal((2, HIDDEN)).astype(np.float32)
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        self.assert_code(grpc.StatusCode.NOT_FOUND, lambda: self.infer(9, x, "FP32"))
+        request = pb.ModelInferRequest(model_name="moe-layer-1", model_version="2")
+        self.assert_code(grpc.StatusCode.NOT_FOUND, lambda: self.kserve.ModelInfer(request))
+        self.assert_code(invalid, lambda: self.infer(1, x, "INT32"))
+        self.assert_code(invalid, lambda: self.infer(1, x, "FP32", outputs=("logits",)))
+        self.assert_code(invalid, lambda: self.infer(1, x, "FP32", outputs=("output", "output")))
+        self.assert_code(invalid, lambda: self.infer(1, x, "FP32", parameters={"output_datatype": "INT8"}))
+        self.assert_code(invalid, lambda: self.infer(1, x[:, :64], "FP32"))  # wrong hidden size
+        bad = x.copy()
+        bad[1, 3] = np.nan
+        self.assertIn("contains NaN (token 1", self.assert_code(invalid, lambda: self.infer(1, bad, "FP32")))
+        self.assert_code(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         lambda: self.infer(1, np.ones((MAX_TOKENS + 1, HIDDEN), np.float32), "FP32"))
+        # Bytes that do not match the shape; BF16 in the typed field; no input; two inputs.
+        request = pb.ModelInferRequest(model_name="moe-layer-1")
+        request.inputs.add(name="hidden_states", datatype="FP32", shape=[2, HIDDEN])
+        request.raw_input_contents.append(b"\0" * 12)
+        self.assert_code(invalid, lambda: self.kserve.ModelInfer(request))
+        request = pb.ModelInferRequest(model_name="moe-layer-1")
+        request.inputs.add(name="hidden_states", datatype="BF16", shape=[1, HIDDEN]).contents.fp32_contents.extend(
+            [1.0] * HIDDEN)
+        self.assertIn("raw_input_contents", self.assert_code(invalid, lambda: self.kserve.ModelInfer(request)))
+        self.assert_code(invalid, lambda: self.kserve.ModelInfer(pb.ModelInferRequest(model_name="moe-layer-1")))
+        request = pb.ModelInferRequest(model_name="moe-layer-1")
+        for name in ("hidden_states", "extra"):
+            request.inputs.add(name=name, datatype="FP32", shape=[1, HIDDEN])
+            request.raw_input_contents.append(np.ones(HIDDEN, "<f4").tobytes())
+        self.assert_code(invalid, lambda: self.kserve.ModelInfer(request))
+
+    def test_requests_count_in_the_forward_metrics(self):
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        labels = {"layer": "2", "code": "OK"}
+        before = metric_value(urllib.request.urlopen(url, timeout=10).read().decode(), "moe_requests_total", labels)
+        for _ in range(3):
+            self.infer(2, np.ones((1, HIDDEN), np.float32), "FP32")
+        after = metric_value(urllib.request.urlopen(url, timeout=10).read().decode(), "moe_requests_total", labels)
+        self.assertEqual(after - before, 3)
+
+    def test_tritonclient(self):
+        """tritonclient[grpc] (PyPI) against the gateway; its outputs against Forward's."""
+        python = ensure_triton_venv(os.environ.get("MOE_KSERVE_VENV",
+                                                   os.path.join(SOURCE_DIR, "build", "kserve-venv")))
+        rng = np.random.default_rng(23)
+        work = os.path.join(self.tmp.name, "triton")
+        os.makedirs(work, exist_ok=True)
+        cases = []
+        for i, (layer, tokens, datatype) in enumerate([(1, 1, "FP32"), (2, 3, "FP16"), (1, 257, "BF16"),
+                                                        (2, 4, "FP32")]):
+            x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+            if datatype == "BF16":
+                x = bf16_round(x)  # tritonclient truncates float32 to bf16: exact on bf16 values
+            np.save(os.path.join(work, f"x{i}.npy"), x)
+            cases.append({"index": i, "model": f"moe-layer-{layer}", "datatype": datatype})
+        with open(os.path.join(work, "cases.json"), "w") as f:
+            json.dump(cases, f)
+        check = subprocess.run([python, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                     "kserve_tritonclient_check.py"),
+                                f"127.0.0.1:{self.port}", work, os.path.join(SOURCE_DIR, "proto")],
+                               capture_output=True, text=True, timeout=300)
+        self.assertEqual(check.returncode, 0, check.stdout + check.stderr)
+        with open(os.path.join(work, "report.json")) as f:
+            report = json.load(f)
+        self.assertEqual(report["proto_fields_compared"], report["proto_fields_ours"])
+        self.assertGreater(report["proto_fields_ours"], 60)
+        self.assertTrue(report["live"] and report["ready"] and report["model_ready"])
+        self.assertFalse(report["unknown_model_ready"])
+        self.assertEqual(report["unknown_model_infer_status"], "StatusCode.NOT_FOUND")
+        for case in cases:
+            i = case["index"]
+            x = np.load(os.path.join(work, f"x{i}.npy"))
+            dtype = {"FP32": "fp32", "FP16": "fp16", "BF16": "bf16"}[case["datatype"]]
+            want, routing = self.forward(int(case["model"].rsplit("-", 1)[1]), x, dtype)
+            got = np.load(os.path.join(work, f"y{i}.npy"))
+            np.testing.assert_array_equal(got.astype(np.float32), want, err_msg=str(case))
+            np.testing.assert_array_equal(np.load(os.path.join(work, f"ids{i}.npy")).ravel(),
+                                          np.asarray(routing.expert_ids).ravel(), err_msg=str(case))
+
+
+if __name__ == "__main__":
+    unittest.main()
