@@ -12,6 +12,7 @@ python_client_service_test.py compares with moe-forward, the in-process layer). 
 (labels python, service) with MOE_BIN_DIR, MOE_PYTHON_STUBS and MOE_KSERVE_VENV set.
 """
 
+import base64
 import json
 import os
 import subprocess
@@ -33,28 +34,37 @@ HIDDEN = 640
 TOP_K = 2
 MAX_TOKENS = 300
 
-# tritonclient and what it needs, pinned: a newer tritonclient needs a newer grpcio than
-# Debian's, so the venv does not see the system's packages.
-TRITON_PINS = ["tritonclient[grpc]==2.51.0", "grpcio==1.67.1", "protobuf==4.25.5", "numpy==1.26.4",
-               "python-rapidjson==1.25", "packaging==26.4", "urllib3==2.8.0"]
+# tritonclient and what it needs, pinned (shared with scripts/perf-analyzer.sh).
+REQUIREMENTS = os.path.join(SOURCE_DIR, "scripts", "kserve-requirements.txt")
 
 
 def ensure_triton_venv(path):
-    """The venv with TRITON_PINS, made once per build tree (needs PyPI the first time)."""
-    stamp = os.path.join(path, "moe-pins.txt")
-    want = "\n".join(TRITON_PINS) + "\n"
+    """The venv with REQUIREMENTS, made once per build tree (needs PyPI the first time)."""
+    stamp = os.path.join(path, "moe-requirements.txt")
+    with open(REQUIREMENTS) as f:
+        want = f.read()
     if os.path.exists(stamp):
         with open(stamp) as f:
             if f.read() == want:
                 return os.path.join(path, "bin", "python")
     subprocess.run(["/usr/bin/python3", "-m", "venv", "--clear", path], check=True)
     pip = subprocess.run([os.path.join(path, "bin", "pip"), "install", "--quiet", "--disable-pip-version-check",
-                          *TRITON_PINS], capture_output=True, text=True, timeout=600)
+                          "-r", REQUIREMENTS], capture_output=True, text=True, timeout=600)
     if pip.returncode != 0:
         raise RuntimeError("could not install tritonclient from PyPI into " + path + ":\n" + pip.stderr[-3000:])
     with open(stamp, "w") as f:
         f.write(want)
     return os.path.join(path, "bin", "python")
+
+
+def perf_analyzer_env(python):
+    """(perf_analyzer's path, its environment) in the venv of `python`."""
+    venv = os.path.dirname(os.path.dirname(python))
+    lib = subprocess.run([python, "-c", "import nvidia.cuda_runtime, os; "
+                          "print(os.path.join(nvidia.cuda_runtime.__path__[0], 'lib'))"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    env = dict(os.environ, LD_LIBRARY_PATH=lib)
+    return os.path.join(venv, "bin", "perf_analyzer"), env
 
 
 def bf16_round(x):
@@ -231,14 +241,21 @@ class KServeServiceTest(ClusterFixture):
             request.raw_input_contents.append(np.ones(HIDDEN, "<f4").tobytes())
         self.assert_code(invalid, lambda: self.kserve.ModelInfer(request))
 
+    def request_counts(self, layer):
+        """moe_requests_total of `layer` by code, from the gateway's /metrics."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        codes = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE")
+        return {code: metric_value(text, "moe_requests_total", {"layer": str(layer), "code": code}) for code in codes}
+
     def test_requests_count_in_the_forward_metrics(self):
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        labels = {"layer": "2", "code": "OK"}
-        before = metric_value(urllib.request.urlopen(url, timeout=10).read().decode(), "moe_requests_total", labels)
+        before = self.request_counts(2)
+        x = np.random.default_rng(3).standard_normal((1, HIDDEN)).astype(np.float32)
         for _ in range(3):
-            self.infer(2, np.ones((1, HIDDEN), np.float32), "FP32")
-        after = metric_value(urllib.request.urlopen(url, timeout=10).read().decode(), "moe_requests_total", labels)
-        self.assertEqual(after - before, 3)
+            self.infer(2, x, "FP32")
+        self.assert_code(grpc.StatusCode.INVALID_ARGUMENT, lambda: self.infer(2, x[:, :8], "FP32"))
+        after = self.request_counts(2)
+        self.assertEqual(after["OK"] - before["OK"], 3)
+        self.assertEqual(after["INVALID_ARGUMENT"] - before["INVALID_ARGUMENT"], 1)
 
     def test_tritonclient(self):
         """tritonclient[grpc] (PyPI) against the gateway; its outputs against Forward's."""
@@ -278,6 +295,30 @@ class KServeServiceTest(ClusterFixture):
             np.testing.assert_array_equal(got.astype(np.float32), want, err_msg=str(case))
             np.testing.assert_array_equal(np.load(os.path.join(work, f"ids{i}.npy")).ravel(),
                                           np.asarray(routing.expert_ids).ravel(), err_msg=str(case))
+
+    def test_perf_analyzer(self):
+        """Triton's load generator, unchanged, drives ModelInfer: a short run at concurrency 2 on
+        bf16 inputs it reads from a JSON file (random bytes would hold NaNs, which are refused)."""
+        python = ensure_triton_venv(os.environ.get("MOE_KSERVE_VENV",
+                                                   os.path.join(SOURCE_DIR, "build", "kserve-venv")))
+        binary, env = perf_analyzer_env(python)
+        rng = np.random.default_rng(31)
+        data = [{"hidden_states": {"b64": base64.b64encode(bf16_bytes(rng.standard_normal((8, HIDDEN)))).decode(),
+                                   "shape": [8, HIDDEN]}} for _ in range(4)]
+        path = os.path.join(self.tmp.name, "perf-input.json")
+        with open(path, "w") as f:
+            json.dump({"data": data}, f)
+        before = self.request_counts(1)
+        run = subprocess.run([binary, "-m", "moe-layer-1", "-i", "grpc", "-u", f"127.0.0.1:{self.port}",
+                              "--input-data", path, "--shape", f"hidden_states:8,{HIDDEN}", "--concurrency-range",
+                              "2", "--measurement-interval", "1000", "--max-trials", "3", "-s", "50"],
+                             capture_output=True, text=True, timeout=240, env=env)
+        self.assertEqual(run.returncode, 0, run.stdout[-3000:] + run.stderr[-3000:])
+        self.assertIn("Throughput:", run.stdout)
+        after = self.request_counts(1)
+        self.assertGreater(after["OK"] - before["OK"], 10)  # served, and counted as Forward's are
+        self.assertEqual({code: after[code] - before[code] for code in after if code != "OK"},
+                         {code: 0 for code in after if code != "OK"})
 
 
 if __name__ == "__main__":
