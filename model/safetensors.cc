@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
@@ -260,6 +261,35 @@ void SafetensorsFile::Prefetch(const TensorInfo& info) const {
 
 // ---- SafetensorsCheckpoint ----------------------------------------------------------------
 
+absl::StatusOr<std::map<std::string, std::string>> ParseSafetensorsIndex(absl::string_view text,
+                                                                         const std::string& what) {
+  absl::StatusOr<Json> parsed = ParseBoundedJson(text);
+  if (!parsed.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": not valid JSON: ", parsed.status().message()));
+  const Json index = *std::move(parsed);
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    return absl::InvalidArgumentError(absl::StrCat(what, ": missing object 'weight_map'"));
+  std::map<std::string, std::string> weight_map;
+  for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+    // Names come from the file: escaped and cut before they reach an error message.
+    const std::string tensor = absl::CEscape(absl::string_view(it.key()).substr(0, 200));
+    if (!it.value().is_string())
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": weight_map entry for '", tensor, "' is not a file name"));
+    const std::string file = it.value().get<std::string>();
+    // Shards live in the checkpoint directory; anything else is a malformed index.
+    if (file.empty() || file == "." || file == ".." ||
+        file.find_first_of(std::string("/\0", 2)) != std::string::npos)
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": weight_map entry for '", tensor, "' names '",
+                       absl::CEscape(absl::string_view(file).substr(0, 200)),
+                       "', not a file in the directory"));
+    weight_map[it.key()] = file;
+  }
+  return weight_map;
+}
+
 absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Open(
     const std::string& dir) {
   namespace fs = std::filesystem;
@@ -272,27 +302,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Op
   const std::string index_path = JoinPath(dir, kIndexFile);
   if (fs::exists(index_path, ec)) {
     ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(index_path));
-    absl::StatusOr<Json> parsed = ParseBoundedJson(text);
-    if (!parsed.ok())
-      return absl::InvalidArgumentError(
-          absl::StrCat(index_path, ": not valid JSON: ", parsed.status().message()));
-    Json index = *std::move(parsed);
-    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": missing object 'weight_map'"));
+    ASSIGN_OR_RETURN(ckpt->weight_map_, ParseSafetensorsIndex(text, index_path));
     std::set<std::string> files;
-    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
-      if (!it.value().is_string())
-        return absl::InvalidArgumentError(
-            absl::StrCat(index_path, ": weight_map entry for '", it.key(), "' is not a file name"));
-      const std::string file = it.value().get<std::string>();
-      // Shards live in the checkpoint directory; anything else is a malformed index.
-      if (file.empty() || file.find('/') != std::string::npos)
-        return absl::InvalidArgumentError(absl::StrCat(index_path, ": weight_map entry for '",
-                                                       it.key(), "' names '", file,
-                                                       "', not a file in the directory"));
-      ckpt->weight_map_[it.key()] = file;
-      files.insert(file);
-    }
+    for (const auto& [tensor, file] : ckpt->weight_map_) files.insert(file);
     for (const std::string& file : files) {
       if (!fs::is_regular_file(JoinPath(dir, file), ec))
         return absl::NotFoundError(absl::StrCat("shard ", JoinPath(dir, file), " listed in ",

@@ -13,6 +13,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
 
@@ -68,6 +69,12 @@ class SafetensorsFile {
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
 };
+
+// `model.safetensors.index.json`: tensor name -> shard file name. INVALID_ARGUMENT (prefixed
+// with `what`) for malformed JSON, a missing weight_map, or a shard that is not a plain file
+// name in the checkpoint directory. Pure: the fuzz target calls it on arbitrary bytes.
+absl::StatusOr<std::map<std::string, std::string>> ParseSafetensorsIndex(absl::string_view text,
+                                                                         const std::string& what);
 
 // A checkpoint directory: `model.safetensors.index.json` + shards, or one `*.safetensors`.
 // Shards open lazily on first use, so a rank maps only the files holding its tensors.

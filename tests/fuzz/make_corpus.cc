@@ -125,6 +125,21 @@ void SafetensorsCorpus() {
   Write("safetensors", "bad-header-length.safetensors", long_header);
 }
 
+// ---- index ----------------------------------------------------------------------------------
+
+void IndexCorpus() {
+  Write("index", "two-shards.json",
+        R"({"metadata": {"total_size": 1024}, "weight_map": {
+              "model.layers.1.mlp.gate.weight": "model-00001-of-00002.safetensors",
+              "model.layers.1.mlp.experts.0.up_proj.weight": "model-00002-of-00002.safetensors"}})");
+  Write("index", "empty-map.json", R"({"weight_map": {}})");
+  Write("index", "bad-parent-dir.json", R"({"weight_map": {"w": "../model.safetensors"}})");
+  Write("index", "bad-dot-dot.json", R"({"weight_map": {"w": ".."}})");
+  Write("index", "bad-nul.json", R"({"weight_map": {"w": "a\u0000b"}})");
+  Write("index", "bad-not-string.json", R"({"weight_map": {"w": 7}})");
+  Write("index", "bad-no-map.json", R"({"metadata": {}})");
+}
+
 // ---- config ---------------------------------------------------------------------------------
 
 void ConfigCorpus() {
@@ -257,6 +272,7 @@ int main(int argc, char** argv) {
   moe::g_root = argv[1];
   moe::NpyCorpus();
   moe::SafetensorsCorpus();
+  moe::IndexCorpus();
   moe::ConfigCorpus();
   moe::RequestCorpus();
   moe::KServeCorpus();
