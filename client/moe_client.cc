@@ -154,6 +154,30 @@ absl::StatusOr<moe::v1::PlacementAdvice> MoeClient::GetPlacementAdvice(int layer
   return advice;
 }
 
+absl::StatusOr<moe::v1::LoadBalanceReport> MoeClient::GetLoadBalance(int layer,
+                                                                     absl::Duration timeout) {
+  grpc::ClientContext context;
+  Prepare(&context, timeout);
+  moe::v1::GetLoadBalanceRequest request;
+  request.set_layer(layer);
+  moe::v1::LoadBalanceReport report;
+  RETURN_IF_ERROR(FromGrpcStatus(diagnostics_->GetLoadBalance(&context, request, &report)));
+  return report;
+}
+
+absl::StatusOr<moe::v1::SetRouterBiasResponse> MoeClient::SetRouterBias(
+    int layer, const std::vector<float>& bias, const std::string& source, absl::Duration timeout) {
+  grpc::ClientContext context;
+  Prepare(&context, timeout);
+  moe::v1::SetRouterBiasRequest request;
+  request.set_layer(layer);
+  request.mutable_bias()->Add(bias.begin(), bias.end());
+  request.set_source(source);
+  moe::v1::SetRouterBiasResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(diagnostics_->SetRouterBias(&context, request, &response)));
+  return response;
+}
+
 absl::StatusOr<moe::v1::ApplyPlacementResponse> MoeClient::ApplyPlacement(
     const std::string& placement, const std::string& source, absl::Duration timeout) {
   grpc::ClientContext context;

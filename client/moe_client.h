@@ -113,6 +113,15 @@ class MoeClient {
   // MoeDiagnostics (the gateway's admin token, when it has one, as ClientOptions::token).
   absl::StatusOr<moe::v1::PlacementAdvice> GetPlacementAdvice(
       int layer, int redundant_experts, absl::Duration timeout = absl::Seconds(30));
+  // The layer's load-balance window: tokens per rank and expert, balancedness, the bias in use
+  // and the Quantile Balancing suggestion.
+  absl::StatusOr<moe::v1::LoadBalanceReport> GetLoadBalance(
+      int layer, absl::Duration timeout = absl::Seconds(10));
+  // Installs `bias` ([E]; empty: the checkpoint's own) as the layer's router selection bias.
+  // The gateway needs --allow-bias-override (and its admin token, when it has one).
+  absl::StatusOr<moe::v1::SetRouterBiasResponse> SetRouterBias(
+      int layer, const std::vector<float>& bias, const std::string& source,
+      absl::Duration timeout = absl::Seconds(10));
   // Live re-placement; `placement` in the --placement file format. Loading the new experts may
   // take minutes on a real model: give it a `timeout` to match.
   absl::StatusOr<moe::v1::ApplyPlacementResponse> ApplyPlacement(const std::string& placement,

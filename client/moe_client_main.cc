@@ -4,6 +4,7 @@
 //   moe-client health  --target HOST:PORT [--wait-s N]
 //   moe-client info    --target HOST:PORT [--json]
 //   moe-client load    --target HOST:PORT --concurrency N --tokens T [--duration-s D | ...]
+//   moe-client placement | balance | set-bias   (MoeDiagnostics)
 //
 // Exit codes: 0 ok, 1 RPC or runtime failure (message on stderr), 2 usage error.
 #include <algorithm>
@@ -47,6 +48,8 @@ constexpr char kUsage[] =
     "  info      the served model (layers, sizes, formats, ranks)\n"
     "  load      concurrent callers, latency percentiles and throughput\n"
     "  placement EPLB placement advice from the traffic so far; --apply changes it live\n"
+    "  balance   a layer's load balance: tokens per rank and expert, the Quantile Balancing bias\n"
+    "  set-bias  install a router selection bias (QB's suggestion, a .npy, or the checkpoint's)\n"
     "\n"
     "`moe-client <command> --help` lists the command's flags. Exit codes: 0 ok, 1 RPC or\n"
     "runtime failure (message on stderr), 2 usage error.\n";
@@ -123,15 +126,30 @@ std::string Bytes(int64_t bytes) {
   return absl::StrCat(bytes, " B");
 }
 
-// Reads an input batch: float16/float32 .npy, [T, H] or [B, T, H].
+// Reads an input batch: float16/float32/float64 .npy (float64, numpy's default, is rounded to
+// float32 as read, then to the wire dtype), [T, H] or [B, T, H].
 absl::StatusOr<NpyArray> ReadInput(const std::string& path) {
   ASSIGN_OR_RETURN(NpyArray x, ReadNpy(path));
-  if (x.descr != "<f4" && x.descr != "<f2")
+  if (x.descr != "<f4" && x.descr != "<f2" && x.descr != "<f8")
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": input must be float32 or float16, got ", x.descr));
+        absl::StrCat(path, ": input must be float16, float32 or float64, got ", x.descr));
   if (x.shape.size() != 2 && x.shape.size() != 3)
     return absl::InvalidArgumentError(absl::StrCat(
         path, ": input must be [T, H] or [B, T, H], got ", x.shape.size(), " dimensions"));
+  return x;
+}
+
+// `tokens` x H of N(0,1) values from `seed`, H from the server's GetModelInfo.
+absl::StatusOr<NpyArray> RandomInput(MoeClient& client, int64_t tokens, int64_t seed) {
+  absl::StatusOr<moe::v1::ModelInfo> info = client.GetModelInfo();
+  if (!info.ok()) return Annotate(info.status(), "GetModelInfo");
+  NpyArray x;
+  x.descr = "<f4";
+  x.shape = {tokens, info->hidden_size()};
+  x.data.resize(tokens * info->hidden_size());
+  std::mt19937_64 rng(static_cast<uint64_t>(seed));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& v : x.data) v = normal(rng);
   return x;
 }
 
@@ -139,27 +157,35 @@ absl::StatusOr<NpyArray> ReadInput(const std::string& path) {
 
 int RunForward(int argc, char** argv) {
   std::string target, input, output, routing_out, weights_out, dtype = "fp32", output_dtype;
+  std::string save_input;
   int layer = 0;
-  int64_t timeout_ms = 60000;
+  int64_t timeout_ms = 60000, random_tokens = 0, seed = 1;
   Flags flags(
-      "usage: moe-client forward --target HOST:PORT --layer L --input x.npy --output y.npy\n"
-      "         [--routing-out ids.npy] [--routing-weights-out w.npy] [--dtype bf16|fp16|fp32]\n"
-      "         [--timeout-ms N]\n\n"
-      "Input .npy: float32 or float16, [T, H] or [B, T, H]. Output: float32 of the same shape.\n"
-      "Routing outputs are [tokens, top_k] (int32 ids, float32 weights).");
+      "usage: moe-client forward --target HOST:PORT --layer L (--input x.npy | --random T)\n"
+      "         --output y.npy [--routing-out ids.npy] [--routing-weights-out w.npy]\n"
+      "         [--dtype bf16|fp16|fp32] [--timeout-ms N]\n\n"
+      "Input .npy: float16, float32 or float64, [T, H] or [B, T, H]; or --random T: T tokens\n"
+      "of N(0,1) values (H from GetModelInfo; --save-input keeps them). Output: float32 of the\n"
+      "same shape. Routing outputs are [tokens, top_k] (int32 ids, float32 weights).");
   flags.String("target", &target, "server address HOST:PORT");
   Connection connection;
   connection.AddFlags(flags);
   flags.Int("layer", &layer, "MoE layer index (the checkpoint's numbering)");
   flags.String("input", &input, "input .npy");
+  flags.Int("random", &random_tokens, "instead of --input: this many tokens of N(0,1) values");
+  flags.Int("seed", &seed, "seed of --random");
+  flags.String("save-input", &save_input, "write the --random input here (float32 .npy)");
   flags.String("output", &output, "output .npy (float32)");
   flags.String("routing-out", &routing_out, "write the chosen expert ids (int32 .npy)");
   flags.String("routing-weights-out", &weights_out, "write the routing weights (float32 .npy)");
   flags.String("dtype", &dtype, "wire dtype of the input: bf16, fp16 or fp32");
   flags.String("output-dtype", &output_dtype, "wire dtype of the output; empty: as --dtype");
   flags.Int("timeout-ms", &timeout_ms, "deadline of the call (0: none)");
-  for (const char* name : {"target", "layer", "input", "output"}) flags.Require(name);
+  for (const char* name : {"target", "layer", "output"}) flags.Require(name);
   flags.ParseOrExit(argc, argv, 2);
+  if (input.empty() == !flags.WasSet("random")) return UsageError("give --input or --random");
+  if (flags.WasSet("random") && random_tokens < 1) return UsageError("--random must be >= 1");
+  if (!save_input.empty() && !input.empty()) return UsageError("--save-input goes with --random");
 
   ForwardOptions options;
   absl::StatusOr<moe::v1::DType> wire = ParseWireDType(dtype);
@@ -173,12 +199,17 @@ int RunForward(int argc, char** argv) {
   options.return_routing = !routing_out.empty() || !weights_out.empty();
   options.timeout = TimeoutFromMs(timeout_ms);
 
-  absl::StatusOr<NpyArray> x = ReadInput(input);
-  if (!x.ok()) return Fail(x.status());
   int exit_code = 0;
   absl::StatusOr<std::unique_ptr<MoeClient>> client =
       ConnectOrExitCode(target, connection, &exit_code);
   if (!client.ok()) return exit_code;
+  absl::StatusOr<NpyArray> x =
+      input.empty() ? RandomInput(**client, random_tokens, seed) : ReadInput(input);
+  if (!x.ok()) return Fail(x.status());
+  if (!save_input.empty()) {
+    if (absl::Status s = WriteNpyFloat32(save_input, x->shape, x->data.data()); !s.ok())
+      return Fail(s);
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<ForwardResult> y = (*client)->Forward(layer, x->shape, x->data.data(), options);
@@ -473,7 +504,7 @@ int RunLoad(int argc, char** argv) {
   std::vector<CallerTally> tallies(cfg.concurrency);
   std::vector<std::chrono::steady_clock::time_point> finished(cfg.concurrency);
   std::vector<absl::Status> setup(cfg.concurrency);
-  std::atomic<int64_t> tickets{0}, round_robin{0};
+  std::atomic<int64_t> tickets{0}, round_robin{0}, progress_ok{0}, progress_errors{0};
   std::atomic<bool> stop{false};
   StartLine start_line(cfg.concurrency);
   std::chrono::steady_clock::time_point start;
@@ -534,6 +565,7 @@ int RunLoad(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       const absl::Status status = call(&response);
       const auto t1 = std::chrono::steady_clock::now();
+      (status.ok() ? progress_ok : progress_errors).fetch_add(1);
       if (status.ok()) {
         tally.latency_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
         tally.queue_us += response.timing().queue_us();
@@ -551,7 +583,31 @@ int RunLoad(int argc, char** argv) {
 
   std::vector<std::thread> threads;
   for (int i = 0; i < cfg.concurrency; ++i) threads.emplace_back(caller, i);
+  // A progress line on stderr every second (warm-up included), so a long run is never silent.
+  std::mutex progress_mu;
+  std::condition_variable progress_cv;
+  bool callers_done = false;
+  std::thread progress([&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::unique_lock<std::mutex> lock(progress_mu);
+    int64_t last_ok = 0;
+    while (!progress_cv.wait_for(lock, std::chrono::seconds(1), [&] { return callers_done; })) {
+      const int64_t ok_now = progress_ok.load();
+      std::fprintf(stderr,
+                   "moe-client load: %.0f s, %lld ok (%lld in the last second), %lld errors\n",
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                   static_cast<long long>(ok_now), static_cast<long long>(ok_now - last_ok),
+                   static_cast<long long>(progress_errors.load()));
+      last_ok = ok_now;
+    }
+  });
   for (std::thread& t : threads) t.join();
+  {
+    std::lock_guard<std::mutex> lock(progress_mu);
+    callers_done = true;
+  }
+  progress_cv.notify_all();
+  progress.join();
   for (const absl::Status& s : setup)
     if (!s.ok()) return Fail(s);
   if (session) {
@@ -707,6 +763,124 @@ int RunPlacement(int argc, char** argv) {
   return 0;
 }
 
+// ---- balance, set-bias ------------------------------------------------------------------------
+
+// The `n` experts with the most assignments, "id:count" hottest first.
+std::string Hottest(const google::protobuf::RepeatedField<int64_t>& counts, size_t n) {
+  std::vector<int> ids(counts.size());
+  for (int e = 0; e < counts.size(); ++e) ids[e] = e;
+  n = std::min(n, ids.size());
+  std::partial_sort(ids.begin(), ids.begin() + n, ids.end(), [&](int a, int b) {
+    return counts[a] > counts[b] || (counts[a] == counts[b] && a < b);
+  });
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < n; ++i) parts.push_back(absl::StrCat(ids[i], ":", counts[ids[i]]));
+  return absl::StrJoin(parts, " ");
+}
+
+int RunBalance(int argc, char** argv) {
+  std::string target;
+  int64_t layer = 0;
+  bool json = false;
+  Flags flags(
+      "usage: moe-client balance --target HOST:PORT --layer L [--json]\n\n"
+      "The layer's load over the gateway's window: token rows per rank, assignments per expert\n"
+      "(hottest first), rank and expert balancedness (mean/max), and what Quantile Balancing\n"
+      "predicts (moe-client set-bias --from-qb installs its bias). Needs the admin token when\n"
+      "the gateway has one.");
+  flags.String("target", &target, "server address HOST:PORT");
+  Connection connection;
+  connection.AddFlags(flags);
+  flags.Int("layer", &layer, "MoE layer index");
+  flags.Bool("json", &json, "print the report as JSON (moe.v1.LoadBalanceReport)");
+  for (const char* name : {"target", "layer"}) flags.Require(name);
+  flags.ParseOrExit(argc, argv, 2);
+  int exit_code = 0;
+  absl::StatusOr<std::unique_ptr<MoeClient>> client =
+      ConnectOrExitCode(target, connection, &exit_code);
+  if (!client.ok()) return exit_code;
+  absl::StatusOr<moe::v1::LoadBalanceReport> report =
+      (*client)->GetLoadBalance(static_cast<int>(layer));
+  if (!report.ok()) return Fail(report.status());
+  if (json) {
+    std::string text;
+    google::protobuf::util::JsonPrintOptions print;
+    print.always_print_primitive_fields = true;
+    if (!google::protobuf::util::MessageToJsonString(*report, &text, print).ok())
+      return Fail(absl::InternalError("cannot print the report as JSON"));
+    std::puts(text.c_str());
+    return 0;
+  }
+  const auto& qb = report->quantile_balancing();
+  std::printf("layer %d: %lld steps, %lld tokens in the window\n", report->layer(),
+              static_cast<long long>(report->window_steps()),
+              static_cast<long long>(report->window_tokens()));
+  std::printf("  %-22s %s\n", "rank tokens", absl::StrJoin(report->rank_tokens(), " ").c_str());
+  std::printf("  %-22s %.3f\n", "rank balancedness", report->rank_balancedness());
+  std::printf("  %-22s %.3f (hottest experts id:count: %s)\n", "expert balancedness",
+              report->expert_balancedness(), Hottest(report->expert_tokens(), 8).c_str());
+  std::printf("  %-22s %.3f over %lld tokens, %.3f predicted with its bias\n", "quantile balancing",
+              qb.observed_balancedness(), static_cast<long long>(qb.tokens()),
+              qb.predicted_balancedness());
+  return 0;
+}
+
+int RunSetBias(int argc, char** argv) {
+  std::string target, bias_file, source = "moe-client set-bias";
+  int64_t layer = 0;
+  bool from_qb = false, reset = false;
+  Flags flags(
+      "usage: moe-client set-bias --target HOST:PORT --layer L (--from-qb | --bias b.npy |\n"
+      "       --reset) [--source TEXT]\n\n"
+      "Installs the layer's router selection bias: Quantile Balancing's suggestion from the\n"
+      "current window (--from-qb), an [E] float .npy (--bias), or the checkpoint's own\n"
+      "(--reset). The gateway needs --allow-bias-override (and the admin token when it has one).");
+  flags.String("target", &target, "server address HOST:PORT");
+  Connection connection;
+  connection.AddFlags(flags);
+  flags.Int("layer", &layer, "MoE layer index");
+  flags.Bool("from-qb", &from_qb, "install the bias Quantile Balancing suggests now");
+  flags.String("bias", &bias_file, "install this [E] float .npy");
+  flags.Bool("reset", &reset, "restore the checkpoint's bias");
+  flags.String("source", &source, "who asks and why (logged and shown in model info)");
+  for (const char* name : {"target", "layer"}) flags.Require(name);
+  flags.ParseOrExit(argc, argv, 2);
+  if (int(from_qb) + int(reset) + int(!bias_file.empty()) != 1)
+    return UsageError("give one of --from-qb, --bias FILE and --reset");
+  std::vector<float> bias;
+  if (!bias_file.empty()) {
+    absl::StatusOr<NpyArray> b = ReadNpy(bias_file);
+    if (!b.ok()) return Fail(b.status());
+    if (b->shape.size() != 1 || b->data.empty())
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat(bias_file, ": the bias must be a 1-D float array [E]")));
+    bias = b->data;
+  }
+  int exit_code = 0;
+  absl::StatusOr<std::unique_ptr<MoeClient>> client =
+      ConnectOrExitCode(target, connection, &exit_code);
+  if (!client.ok()) return exit_code;
+  if (from_qb) {
+    absl::StatusOr<moe::v1::LoadBalanceReport> report =
+        (*client)->GetLoadBalance(static_cast<int>(layer));
+    if (!report.ok()) return Fail(report.status());
+    const auto& qb = report->quantile_balancing();
+    if (qb.bias().empty())
+      return Fail(absl::FailedPreconditionError(
+          "no Quantile Balancing suggestion yet: the layer has seen no traffic in its window"));
+    bias.assign(qb.bias().begin(), qb.bias().end());
+    std::fprintf(stderr, "quantile balancing: expert balancedness %.3f now, %.3f predicted\n",
+                 qb.observed_balancedness(), qb.predicted_balancedness());
+  }
+  absl::StatusOr<moe::v1::SetRouterBiasResponse> set =
+      (*client)->SetRouterBias(static_cast<int>(layer), bias, source);
+  if (!set.ok()) return Fail(set.status());
+  std::printf("layer %d: %s bias installed at %s (source \"%s\")\n", set->override().layer(),
+              bias.empty() ? "the checkpoint's" : absl::StrCat(bias.size(), "-expert").c_str(),
+              set->override().installed_at().c_str(), set->override().source().c_str());
+  return 0;
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -729,6 +903,8 @@ int main(int argc, char** argv) {
   if (command == "info") return moe::RunInfo(argc, argv);
   if (command == "load") return moe::RunLoad(argc, argv);
   if (command == "placement") return moe::RunPlacement(argc, argv);
+  if (command == "balance") return moe::RunBalance(argc, argv);
+  if (command == "set-bias") return moe::RunSetBias(argc, argv);
   std::fprintf(stderr, "moe-client: unknown command '%s'\n\n%s", command.c_str(), moe::kUsage);
   return 2;
 }
