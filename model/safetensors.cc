@@ -281,10 +281,9 @@ absl::StatusOr<std::map<std::string, std::string>> ParseSafetensorsIndex(absl::s
     // Shards live in the checkpoint directory; anything else is a malformed index.
     if (file.empty() || file == "." || file == ".." ||
         file.find_first_of(std::string("/\0", 2)) != std::string::npos)
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": weight_map entry for '", tensor, "' names '",
-                       absl::CEscape(absl::string_view(file).substr(0, 200)),
-                       "', not a file in the directory"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": weight_map entry for '", tensor, "' names '",
+          absl::CEscape(absl::string_view(file).substr(0, 200)), "', not a file in the directory"));
     weight_map[it.key()] = file;
   }
   return weight_map;
