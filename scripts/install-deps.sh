@@ -18,8 +18,8 @@ PACKAGES=(
   libdnnl-dev
   # independent reference, python client, plots
   python3 python3-torch python3-numpy python3-grpcio python3-protobuf python3-matplotlib gnuplot-nox
-  # the Open Inference Protocol test's venv (tritonclient from PyPI; its perf_analyzer needs libb64)
-  python3-venv libb64-0d
+  # venvs: the Python package installed offline; tritonclient from PyPI (perf_analyzer needs libb64)
+  python3-venv python3-setuptools python3-wheel libb64-0d
   # observability and deployment checks
   prometheus yamllint docker-compose python3-yaml
   # tooling

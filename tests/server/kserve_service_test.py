@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from python_client_service_test import SOURCE_DIR, ClusterFixture, free_port, moe_client  # noqa: E402
+from python_client_service_test import SOURCE_DIR, ClusterFixture, free_port  # noqa: E402
 
 sys.path.insert(0, os.environ.get("MOE_PYTHON_STUBS", os.path.join(SOURCE_DIR, "build", "python")))
 from inference import grpc_service_pb2 as pb  # noqa: E402
@@ -112,7 +112,7 @@ class KServeServiceTest(ClusterFixture):
     def forward(self, layer, x, dtype):
         """moe.v1 Forward: output in `dtype` (as float32 values) and the routing."""
         y, routing = self.client.forward(layer, x, dtype=dtype, return_routing=True, output_dtype=dtype)
-        return y, routing
+        return np.asarray(y, np.float32), routing
 
     def infer(self, layer, x, datatype, outputs=(), typed=False, parameters=None):
         request = pb.ModelInferRequest(model_name=f"moe-layer-{layer}", id="req-7")
@@ -311,7 +311,10 @@ class KServeServiceTest(ClusterFixture):
         before = self.request_counts(1)
         run = subprocess.run([binary, "-m", "moe-layer-1", "-i", "grpc", "-u", f"127.0.0.1:{self.port}",
                               "--input-data", path, "--shape", f"hidden_states:8,{HIDDEN}", "--concurrency-range",
-                              "2", "--measurement-interval", "1000", "--max-trials", "3", "-s", "50"],
+                              "2", "--measurement-interval", "1000", "--max-trials", "3",
+                              # The run shows compatibility, not a figure: on a loaded host its
+                              # windows may differ by more than the default 10 % stability.
+                              "-s", "1000"],
                              capture_output=True, text=True, timeout=240, env=env)
         self.assertEqual(run.returncode, 0, run.stdout[-3000:] + run.stderr[-3000:])
         self.assertIn("Throughput:", run.stdout)

@@ -1,7 +1,8 @@
 """The Python client against the real service: moe-cluster (gateway + 2 ranks, real processes on
 loopback) on a fresh k3-mini checkpoint; every batch is checked against moe-forward bit for bit.
 
-Run by ctest (labels python, service) with MOE_BIN_DIR and MOE_PYTHON_STUBS set.
+Run by ctest (labels python, service) with MOE_BIN_DIR set; the client is the moe_serve package
+from client/python.
 """
 
 import os
@@ -16,7 +17,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
-import moe_client  # noqa: E402  pylint: disable=wrong-import-position
+import moe_serve  # noqa: E402  pylint: disable=wrong-import-position
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 BIN = os.environ.get("MOE_BIN_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build", "bin"))
@@ -57,7 +58,7 @@ class ClusterFixture(unittest.TestCase):
         if "ready" not in line:
             cls.cluster.kill()
             raise RuntimeError(f"moe-cluster did not get ready: {line!r}\n" + open(cls.log.name).read())
-        cls.client = moe_client.MoeClient(f"127.0.0.1:{cls.port}", **cls.client_kwargs())
+        cls.client = moe_serve.MoeClient(f"127.0.0.1:{cls.port}", **cls.client_kwargs())
 
     @classmethod
     def prepare(cls):
@@ -104,10 +105,10 @@ class PythonClientServiceTest(ClusterFixture):
                 self.assertEqual(np.asarray(routing.expert_ids).size, 2 * int(np.prod(shape[:-1])))
 
     def test_errors_carry_grpc_codes(self):
-        with self.assertRaises(moe_client.MoeError) as ctx:
+        with self.assertRaises(moe_serve.MoeError) as ctx:
             self.client.forward(9, np.ones((1, 640), np.float32))
         self.assertEqual(ctx.exception.code.name, "NOT_FOUND")
-        with self.assertRaises(moe_client.MoeError) as ctx:
+        with self.assertRaises(moe_serve.MoeError) as ctx:
             self.client.forward(1, np.ones((1, 64), np.float32))
         self.assertEqual(ctx.exception.code.name, "INVALID_ARGUMENT")
 
@@ -137,17 +138,17 @@ class PythonClientOverMutualTlsTest(PythonClientServiceTest):
 
     def test_refused_without_certificate_or_token(self):
         target = f"127.0.0.1:{self.port}"
-        with moe_client.MoeClient(target, **self.client_kwargs(token=None)) as client:
+        with moe_serve.MoeClient(target, **self.client_kwargs(token=None)) as client:
             self.assertEqual(client.health(), "SERVING")  # health needs no token
-            with self.assertRaises(moe_client.MoeError) as ctx:
+            with self.assertRaises(moe_serve.MoeError) as ctx:
                 client.forward(1, np.ones((1, 640), np.float32))
             self.assertEqual(ctx.exception.code.name, "UNAUTHENTICATED")
-        with moe_client.MoeClient(target, **self.client_kwargs(tls_cert=None, tls_key=None)) as client:
-            with self.assertRaises(moe_client.MoeError) as ctx:
+        with moe_serve.MoeClient(target, **self.client_kwargs(tls_cert=None, tls_key=None)) as client:
+            with self.assertRaises(moe_serve.MoeError) as ctx:
                 client.health(timeout=3)
             self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")  # the handshake fails
-        with moe_client.MoeClient(target) as client:  # plaintext
-            with self.assertRaises(moe_client.MoeError) as ctx:
+        with moe_serve.MoeClient(target) as client:  # plaintext
+            with self.assertRaises(moe_serve.MoeError) as ctx:
                 client.health(timeout=3)
             self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")
 

@@ -1,0 +1,1 @@
+"""Generated moe.v1 stubs (generate_stubs.py)."""

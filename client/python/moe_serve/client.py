@@ -1,0 +1,343 @@
+"""MoeClient (blocking) and AsyncMoeClient (asyncio) for the moe.v1 service.
+
+    from moe_serve import MoeClient
+    with MoeClient("localhost:50051") as client:
+        y, routing = client.forward(1, x, return_routing=True)   # x: numpy or torch
+
+Inputs are numpy arrays or torch tensors, [T, H] or [B, T, H]. The wire dtype defaults to the
+one that carries the input unchanged (bf16 for torch.bfloat16, fp16 for half, else fp32); the
+output comes back as the same kind of array in `output_dtype` (default: the wire dtype; numpy
+has no bf16, so a bf16 output decodes to numpy float32, exactly). Failed calls raise MoeError
+with the gRPC status code and the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, List, Optional, Sequence, Tuple
+
+import grpc
+import numpy as np
+
+from . import _tensors
+from ._stubs import moe_pb2, moe_pb2_grpc
+
+# grpc.health.v1.HealthCheckResponse.ServingStatus
+_SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+# Before the server's limits are known (GetModelInfo): gRPC's own default.
+_BOOTSTRAP_MESSAGE_BYTES = 4 << 20
+
+
+class MoeError(Exception):
+    """A failed call: `code` is the grpc.StatusCode, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class Routing:
+    """Router choices: expert_ids int32 and weights float32, both [tokens, top_k]."""
+
+    def __init__(self, top_k: int, expert_ids: np.ndarray, weights: np.ndarray):
+        self.top_k = top_k
+        self.expert_ids = expert_ids
+        self.weights = weights
+
+    def __repr__(self) -> str:
+        return f"Routing(top_k={self.top_k}, tokens={self.expert_ids.shape[0]})"
+
+
+def message_limit(info: "moe_pb2.ModelInfo") -> int:
+    """The largest message the server's limits imply: a response to its largest request, an
+    fp32 output of max_request_tokens x hidden plus routing, and 1 MiB of framing."""
+    tokens = max(int(info.max_request_tokens), 1)
+    return tokens * int(info.hidden_size) * 4 + tokens * max(int(info.top_k), 1) * 12 + (1 << 20)
+
+
+def _read(path: Optional[str]) -> Optional[bytes]:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_token(token: Optional[str], token_file: Optional[str]) -> Optional[str]:
+    if token is not None and token_file is not None:
+        raise ValueError("give token or token_file, not both")
+    if token_file is not None:
+        with open(token_file, encoding="utf-8") as f:
+            return f.read().strip()
+    return token
+
+
+class _Channels:
+    """How to make a channel to the gateway (TLS files, limits); both clients use it."""
+
+    def __init__(self, target: str, tls: bool, tls_ca: Optional[str], tls_cert: Optional[str],
+                 tls_key: Optional[str], tls_server_name: Optional[str]):
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        self.target = target
+        self.credentials = None
+        self.extra_options: list = []
+        if tls or tls_ca or tls_cert:
+            self.credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca), private_key=_read(tls_key),
+                certificate_chain=_read(tls_cert))
+            if tls_server_name:
+                self.extra_options.append(("grpc.ssl_target_name_override", tls_server_name))
+
+    def options(self, limit: int) -> list:
+        return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+                *self.extra_options]
+
+    def make(self, grpc_module: Any, limit: int) -> Any:
+        if self.credentials is not None:
+            return grpc_module.secure_channel(self.target, self.credentials, options=self.options(limit))
+        return grpc_module.insecure_channel(self.target, options=self.options(limit))
+
+
+def _request(layer: int, x: Any, dtype: Optional[str], return_routing: bool,
+             output_dtype: Optional[str], request_id: str) -> "moe_pb2.ForwardRequest":
+    return moe_pb2.ForwardRequest(
+        layer=layer, hidden_states=_tensors.encode_tensor(x, dtype), return_routing=return_routing,
+        output_dtype=_tensors.wire_dtype(output_dtype) if output_dtype else moe_pb2.DTYPE_UNSPECIFIED,
+        request_id=request_id)
+
+
+def _result(response: "moe_pb2.ForwardResponse", x: Any,
+            return_routing: bool) -> Tuple[Any, Optional[Routing]]:
+    y = _tensors.decode_tensor(response.output, like=x)
+    routing = None
+    if return_routing:
+        k = response.routing.top_k
+        ids = np.array(response.routing.expert_ids, dtype=np.int32)
+        weights = np.array(response.routing.weights, dtype=np.float32)
+        tokens = ids.size // k if k > 0 else 0
+        routing = Routing(k, ids.reshape(tokens, k), weights.reshape(tokens, k))
+    return y, routing
+
+
+def _health_request(service: str) -> bytes:
+    """grpc.health.v1.HealthCheckRequest{service}, encoded by hand: generated grpc/health stubs
+    would be a second copy of grpcio-health-checking's."""
+    if not service:
+        return b""
+    raw = service.encode()
+    out, n = bytearray([0x0A]), len(raw)
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out) + raw
+
+
+def _read_varint(data: bytes, i: int) -> Tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if i >= len(data):
+            raise ValueError("truncated varint in health response")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def health_status(data: bytes) -> int:
+    """grpc.health.v1.HealthCheckResponse bytes -> status number (field 1, varint)."""
+    i, status = 0, 0
+    while i < len(data):
+        key, i = _read_varint(data, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _read_varint(data, i)
+            if field == 1:
+                status = value
+        elif wire == 2:
+            length, i = _read_varint(data, i)
+            i += length
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"malformed health response (wire type {wire})")
+    return status
+
+
+class MoeClient:
+    """One channel to a moe.v1 gateway; safe to share between threads.
+
+    TLS when `tls` or any tls_* file is given: tls_ca (PEM path) is the trust for the gateway's
+    certificate (else the system's roots); tls_cert + tls_key, a client certificate for a
+    gateway that requires mTLS. `token` (or `token_file`) goes with every call as
+    `authorization: Bearer` (the gateway's --api-token-file or --admin-token-file).
+    `max_message_bytes`: None sizes the channel from the server's GetModelInfo on first use,
+    so a batch as large as the server takes is also one the client can receive.
+    """
+
+    def __init__(self, target: str, *, tls: bool = False, tls_ca: Optional[str] = None,
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+                 tls_server_name: Optional[str] = None, token: Optional[str] = None,
+                 token_file: Optional[str] = None, max_message_bytes: Optional[int] = None):
+        self.target = target
+        self._channels = _Channels(target, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        token = _read_token(token, token_file)
+        # Per call, not as call credentials: gRPC sends those only over TLS, and a token on a
+        # plaintext channel to a trusted network is a deployment's choice.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._sized = max_message_bytes is not None
+        self._size_lock = threading.Lock()
+        # Channels replaced by a larger one stay open until close(): calls may still be on them.
+        self._replaced: List[Any] = []
+        self._open(max_message_bytes or _BOOTSTRAP_MESSAGE_BYTES)
+
+    def _open(self, limit: int) -> None:
+        self.max_message_bytes = limit
+        self._channel = self._channels.make(grpc, limit)
+        self._stub = moe_pb2_grpc.MoeServiceStub(self._channel)
+        self._diagnostics = moe_pb2_grpc.MoeDiagnosticsStub(self._channel)
+        self._health_check = self._channel.unary_unary("/grpc.health.v1.Health/Check")
+
+    def _call(self, method: Any, request: Any, timeout: Optional[float]) -> Any:
+        try:
+            return method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise MoeError(e.code(), e.details()) from None
+
+    def _size_from_server(self) -> None:
+        with self._size_lock:
+            if self._sized:
+                return
+            limit = message_limit(self.info())
+            if limit > self.max_message_bytes:
+                self._replaced.append(self._channel)
+                self._open(limit)
+            self._sized = True
+
+    def forward(self, layer: int, x: Any, dtype: Optional[str] = None, return_routing: bool = False,
+                output_dtype: Optional[str] = None, timeout: Optional[float] = None,
+                request_id: str = "") -> Tuple[Any, Optional[Routing]]:
+        """Runs `layer` on x. Returns (output of x's shape and kind, Routing or None)."""
+        request = _request(layer, x, dtype, return_routing, output_dtype, request_id)
+        self._size_from_server()
+        return _result(self._call(self._stub.Forward, request, timeout), x, return_routing)
+
+    def info(self, timeout: Optional[float] = 10.0) -> "moe_pb2.ModelInfo":
+        """moe.v1.ModelInfo."""
+        return self._call(self._stub.GetModelInfo, moe_pb2.GetModelInfoRequest(), timeout)
+
+    def load_balance(self, layer: int, timeout: Optional[float] = 10.0) -> "moe_pb2.LoadBalanceReport":
+        """MoeDiagnostics/GetLoadBalance (the admin token, when the gateway has one)."""
+        return self._call(self._diagnostics.GetLoadBalance, moe_pb2.GetLoadBalanceRequest(layer=layer),
+                          timeout)
+
+    def placement_advice(self, layer: int = -1, redundant_experts: int = 0,
+                         timeout: Optional[float] = 30.0) -> "moe_pb2.PlacementAdvice":
+        """MoeDiagnostics/GetPlacementAdvice; layer < 0 sums every served layer's load."""
+        request = moe_pb2.GetPlacementAdviceRequest(layer=layer, redundant_experts=redundant_experts)
+        return self._call(self._diagnostics.GetPlacementAdvice, request, timeout)
+
+    def set_router_bias(self, layer: int, bias: Sequence[float], source: str = "moe_serve",
+                        timeout: Optional[float] = 10.0) -> "moe_pb2.SetRouterBiasResponse":
+        """MoeDiagnostics/SetRouterBias; an empty `bias` restores the checkpoint's."""
+        request = moe_pb2.SetRouterBiasRequest(layer=layer, bias=list(bias), source=source)
+        return self._call(self._diagnostics.SetRouterBias, request, timeout)
+
+    def health(self, service: str = "", timeout: Optional[float] = 5.0) -> str:
+        """"SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN"; MoeError when the check
+        fails (server down: UNAVAILABLE)."""
+        try:
+            data = self._health_check(_health_request(service), timeout=timeout)
+        except grpc.RpcError as e:
+            raise MoeError(e.code(), e.details()) from None
+        status = health_status(data)
+        return _SERVING_STATUS.get(status, f"UNKNOWN({status})")
+
+    def close(self) -> None:
+        for channel in [*self._replaced, self._channel]:
+            channel.close()
+
+    def __enter__(self) -> "MoeClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncMoeClient:
+    """The asyncio twin of MoeClient (grpc.aio): the same arguments, awaitable calls.
+
+        async with AsyncMoeClient("localhost:50051") as client:
+            y, _ = await client.forward(1, x)
+    """
+
+    def __init__(self, target: str, *, tls: bool = False, tls_ca: Optional[str] = None,
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+                 tls_server_name: Optional[str] = None, token: Optional[str] = None,
+                 token_file: Optional[str] = None, max_message_bytes: Optional[int] = None):
+        self.target = target
+        self._channels = _Channels(target, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        token = _read_token(token, token_file)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._sized = max_message_bytes is not None
+        self._size_lock: Optional[asyncio.Lock] = None  # made in the event loop, on first use
+        self._replaced: List[Any] = []
+        self._open(max_message_bytes or _BOOTSTRAP_MESSAGE_BYTES)
+
+    def _open(self, limit: int) -> None:
+        self.max_message_bytes = limit
+        self._channel = self._channels.make(grpc.aio, limit)
+        self._stub = moe_pb2_grpc.MoeServiceStub(self._channel)
+        self._diagnostics = moe_pb2_grpc.MoeDiagnosticsStub(self._channel)
+
+    async def _call(self, method: Any, request: Any, timeout: Optional[float]) -> Any:
+        try:
+            return await method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise MoeError(e.code(), e.details()) from None
+
+    async def _size_from_server(self) -> None:
+        if self._sized:
+            return
+        if self._size_lock is None:
+            self._size_lock = asyncio.Lock()
+        async with self._size_lock:
+            if self._sized:
+                return
+            limit = message_limit(await self.info())
+            if limit > self.max_message_bytes:
+                self._replaced.append(self._channel)
+                self._open(limit)
+            self._sized = True
+
+    async def forward(self, layer: int, x: Any, dtype: Optional[str] = None,
+                      return_routing: bool = False, output_dtype: Optional[str] = None,
+                      timeout: Optional[float] = None,
+                      request_id: str = "") -> Tuple[Any, Optional[Routing]]:
+        request = _request(layer, x, dtype, return_routing, output_dtype, request_id)
+        await self._size_from_server()
+        return _result(await self._call(self._stub.Forward, request, timeout), x, return_routing)
+
+    async def info(self, timeout: Optional[float] = 10.0) -> "moe_pb2.ModelInfo":
+        return await self._call(self._stub.GetModelInfo, moe_pb2.GetModelInfoRequest(), timeout)
+
+    async def load_balance(self, layer: int,
+                           timeout: Optional[float] = 10.0) -> "moe_pb2.LoadBalanceReport":
+        return await self._call(self._diagnostics.GetLoadBalance,
+                                moe_pb2.GetLoadBalanceRequest(layer=layer), timeout)
+
+    async def close(self) -> None:
+        for channel in [*self._replaced, self._channel]:
+            await channel.close()
+
+    async def __aenter__(self) -> "AsyncMoeClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
