@@ -1,10 +1,15 @@
-// Minimal command-line flags for the project's binaries: `--name value` or `--name=value`,
-// booleans as `--name`. Unknown flags and bad values are usage errors (exit code 2).
+// The command-line flags of every binary of the project: `--name value` or `--name=value`,
+// booleans as `--name` (or `--name=false`), `--flagfile FILE` (one flag per line, # comments).
+// Unknown flags, bad or out-of-range values and stray arguments are usage errors: one line on
+// stderr, "<program>: <message> (see --help)", exit code 2. `--help` and `--version` are built
+// in. Conventions the binaries share: ports are 1..65535 (0 = any free port where a server
+// binds; --metrics-port -1 = off), thread counts >= 0 (0 = all cores).
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -23,6 +28,12 @@ class Flags {
   void Bool(const std::string& name, bool* value, const std::string& help);
   // Marks flags that must be given.
   void Require(const std::string& name) { required_.push_back(name); }
+  // A value given for int flag `name` must lie in [min, max] (defaults may be sentinels).
+  void Range(const std::string& name, int64_t min, int64_t max);
+  // A listening port: 0 (any free port) or 1..65535; with `off`, also -1 (disabled).
+  void Port(const std::string& name, int* value, const std::string& help, bool off = false);
+  // Arguments that are not flags are kept in positional() instead of being refused.
+  void AllowPositional() { allow_positional_ = true; }
 
   // Parses argv[first..argc). Non-flag arguments go to positional(). Returns
   // InvalidArgument with a one-line message; --help and --version return Cancelled after
@@ -44,12 +55,17 @@ class Flags {
     bool set = false;
   };
   absl::Status Assign(const std::string& name, Flag& flag, const std::string& value);
+  absl::Status ParseArgs(const std::vector<std::string>& args, const std::string& program,
+                         int depth);
+  int64_t IntValue(const Flag& flag) const;
 
   std::string usage_;
   std::map<std::string, Flag> flags_;
   std::vector<std::string> order_;
   std::vector<std::string> required_;
   std::vector<std::string> positional_;
+  std::map<std::string, std::pair<int64_t, int64_t>> ranges_;
+  bool allow_positional_ = false;
 };
 
 }  // namespace moe

@@ -2,65 +2,30 @@
 //
 //   moe-ckpt --preset k3-mini --out /tmp/k3-mini
 //   moe-ckpt --preset kimi-k2 --experts 16 --out /tmp/k2-small
-#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <string>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "core/flags.h"
 #include "model/synthetic.h"
 
 namespace {
 
 constexpr char kUsage[] =
-    R"(usage: moe-ckpt --preset k3-mini|kimi-k3|kimi-k2 --out DIR [options]
+    R"(usage: moe-ckpt --preset k3-mini|kimi-k3|kimi-k2 --out DIR [flags]
 
 Writes a synthetic checkpoint (config.json, model-*.safetensors, model.safetensors.index.json)
-with the tensor names, dtypes and shapes of the real model and realistic random values.
-
-options:
-  --seed N                 random seed (default 0); same seed, same bytes
-  --layers N               number of MoE layers (layers 1..N; default: preset's)
-  --hidden N               hidden size
-  --latent N               latent size of the routed experts (0 = no latent)
-  --expert-hidden N        routed expert hidden size (moe_intermediate_size)
-  --experts N              routed experts per layer
-  --top-k N                experts per token
-  --shared-experts N       shared experts (0 = none)
-  --expert-format F        routed experts: bf16 | mxfp4 | fp8
-  --dense-format F         shared experts and latent projections: bf16 | fp8 (default: fp8
-                           with fp8 experts, else bf16)
-  --scaling-factor X       routed_scaling_factor
-  --router-skew X          add X to the router bias of the first 10% of experts
-  --shard-size-mb N        maximum shard size (default 4096)
-  --no-lm-prefix           K3: name tensors model.layers.* instead of language_model.model.layers.*
-  --threads N              generator threads (default 2)
-  --quiet                  no progress bar (the summary is still printed)
-  --help                   this text
-)";
+with the tensor names, dtypes and shapes of the real model and realistic random values. Flags
+left out keep the preset's values; the same seed gives the same bytes.)";
 
 [[noreturn]] void UsageError(absl::string_view message) {
   std::fprintf(stderr, "moe-ckpt: %s (see --help)\n", std::string(message).c_str());
   std::exit(2);
-}
-
-int64_t ParseInt(absl::string_view flag, absl::string_view value, int64_t min) {
-  int64_t v;
-  if (!absl::SimpleAtoi(value, &v) || v < min)
-    UsageError(absl::StrCat(flag, " needs an integer >= ", min, ", got '", value, "'"));
-  return v;
-}
-
-float ParseFloat(absl::string_view flag, absl::string_view value) {
-  float v;
-  if (!absl::SimpleAtof(value, &v) || !std::isfinite(v))
-    UsageError(absl::StrCat(flag, " needs a number, got '", value, "'"));
-  return v;
 }
 
 moe::WeightFormat ParseFormat(absl::string_view flag, absl::string_view value, bool allow_mxfp4) {
@@ -74,100 +39,81 @@ moe::WeightFormat ParseFormat(absl::string_view flag, absl::string_view value, b
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Flags as name -> value; valueless flags map to "".
-  static const char* const kValueFlags[] = {
-      "--preset",        "--out",           "--seed",           "--layers",      "--hidden",
-      "--latent",        "--expert-hidden", "--experts",        "--top-k",       "--shared-experts",
-      "--expert-format", "--dense-format",  "--scaling-factor", "--router-skew", "--shard-size-mb",
-      "--threads"};
-  static const char* const kBoolFlags[] = {"--quiet", "--no-lm-prefix", "--help", "-h"};
-  std::map<std::string, std::string> flags;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    std::string value;
-    bool has_value = false;
-    const size_t eq = arg.find('=');
-    if (arg.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    bool known = false;
-    for (const char* f : kBoolFlags) {
-      if (arg == f) {
-        if (has_value) UsageError(absl::StrCat(arg, " takes no value"));
-        known = true;
-      }
-    }
-    for (const char* f : kValueFlags) {
-      if (arg == f) {
-        if (!has_value) {
-          if (i + 1 >= argc) UsageError(absl::StrCat(arg, " needs a value"));
-          value = argv[++i];
-        }
-        known = true;
-      }
-    }
-    if (!known) UsageError(absl::StrCat("unknown argument '", arg, "'"));
-    if (flags.count(arg)) UsageError(absl::StrCat(arg, " given twice"));
-    flags[arg] = value;
-  }
-  if (flags.count("--help") || flags.count("-h")) {
-    std::fputs(kUsage, stdout);
-    return 0;
-  }
-  if (!flags.count("--preset")) UsageError("--preset is required");
-  if (!flags.count("--out") || flags["--out"].empty()) UsageError("--out is required");
+  std::string preset_name, out, expert_format, dense_format;
+  int64_t seed = 0, layers = 0, hidden = 0, latent = 0, expert_hidden = 0, experts = 0, top_k = 0;
+  int64_t shared = 0, shard_size_mb = 4096, threads = 2;
+  double scaling_factor = 0, router_skew = 0;
+  bool quiet = false, no_lm_prefix = false;
+  moe::Flags flags(kUsage);
+  flags.String("preset", &preset_name, "k3-mini | kimi-k3 | kimi-k2");
+  flags.String("out", &out, "output directory");
+  flags.Int("seed", &seed, "random seed; same seed, same bytes");
+  flags.Range("seed", 0, INT64_MAX);
+  flags.Int("layers", &layers, "number of MoE layers (layers 1..N)");
+  flags.Range("layers", 1, 1 << 16);
+  flags.Int("hidden", &hidden, "hidden size");
+  flags.Range("hidden", 1, 1 << 20);
+  flags.Int("latent", &latent, "latent size of the routed experts (0 = no latent)");
+  flags.Range("latent", 0, 1 << 20);
+  flags.Int("expert-hidden", &expert_hidden, "routed expert hidden size (moe_intermediate_size)");
+  flags.Range("expert-hidden", 1, 1 << 20);
+  flags.Int("experts", &experts, "routed experts per layer");
+  flags.Range("experts", 1, 1 << 16);
+  flags.Int("top-k", &top_k, "experts per token");
+  flags.Range("top-k", 1, 1 << 16);
+  flags.Int("shared-experts", &shared, "shared experts (0 = none)");
+  flags.Range("shared-experts", 0, 1 << 10);
+  flags.String("expert-format", &expert_format, "routed experts: bf16 | mxfp4 | fp8");
+  flags.String("dense-format", &dense_format,
+               "shared experts and latent projections: bf16 | fp8 (default: fp8 with fp8 "
+               "experts, else bf16)");
+  flags.Double("scaling-factor", &scaling_factor, "routed_scaling_factor");
+  flags.Double("router-skew", &router_skew, "add X to the router bias of the first 10% of experts");
+  flags.Int("shard-size-mb", &shard_size_mb, "maximum shard size");
+  flags.Range("shard-size-mb", 1, 1 << 30);
+  flags.Int("threads", &threads, "generator threads");
+  flags.Range("threads", 1, 4096);
+  flags.Bool("quiet", &quiet, "no progress bar (the summary is still printed)");
+  flags.Bool("no-lm-prefix", &no_lm_prefix,
+             "K3: name tensors model.layers.* instead of language_model.model.layers.*");
+  flags.Require("preset");
+  flags.Require("out");
+  flags.ParseOrExit(argc, argv);
+  if (out.empty()) UsageError("--out is required");
 
-  absl::StatusOr<moe::MoeConfig> preset = moe::SyntheticPreset(flags["--preset"]);
+  absl::StatusOr<moe::MoeConfig> preset = moe::SyntheticPreset(preset_name);
   if (!preset.ok()) UsageError(preset.status().message());
   moe::MoeConfig config = *preset;
   moe::SyntheticOptions options;
-  const auto has = [&](const char* f) { return flags.count(f) > 0; };
-  const auto get = [&](const char* f) -> absl::string_view { return flags[f]; };
-
-  if (has("--seed")) {
-    uint64_t seed;
-    if (!absl::SimpleAtoi(get("--seed"), &seed))
-      UsageError(absl::StrCat("--seed needs a non-negative integer, got '", get("--seed"), "'"));
-    options.seed = seed;
-  }
-  if (has("--layers")) options.num_moe_layers = ParseInt("--layers", get("--layers"), 1);
-  if (has("--hidden")) config.hidden_size = ParseInt("--hidden", get("--hidden"), 1);
-  if (has("--latent")) {
-    config.latent_size = ParseInt("--latent", get("--latent"), 0);
+  const auto has = [&](const char* f) { return flags.WasSet(f); };
+  options.seed = static_cast<uint64_t>(seed);
+  if (has("layers")) options.num_moe_layers = static_cast<int>(layers);
+  if (has("hidden")) config.hidden_size = hidden;
+  if (has("latent")) {
+    config.latent_size = latent;
     if (config.latent_size == 0) config.latent_norm = false;
   }
-  if (has("--expert-hidden"))
-    config.expert_hidden_size = ParseInt("--expert-hidden", get("--expert-hidden"), 1);
-  if (has("--experts"))
-    config.routing.num_experts = static_cast<int>(ParseInt("--experts", get("--experts"), 1));
-  if (has("--top-k"))
-    config.routing.top_k = static_cast<int>(ParseInt("--top-k", get("--top-k"), 1));
-  if (has("--shared-experts"))
-    config.num_shared_experts =
-        static_cast<int>(ParseInt("--shared-experts", get("--shared-experts"), 0));
-  if (has("--expert-format")) {
-    config.expert_format = ParseFormat("--expert-format", get("--expert-format"), true);
+  if (has("expert-hidden")) config.expert_hidden_size = expert_hidden;
+  if (has("experts")) config.routing.num_experts = static_cast<int>(experts);
+  if (has("top-k")) config.routing.top_k = static_cast<int>(top_k);
+  if (has("shared-experts")) config.num_shared_experts = static_cast<int>(shared);
+  if (has("expert-format")) {
+    config.expert_format = ParseFormat("--expert-format", expert_format, true);
     // Unless told otherwise, the dense weights follow: config.json can only say fp8/fp8,
     // mxfp4/bf16 or bf16/bf16.
     config.dense_format = config.expert_format == moe::WeightFormat::kFP8Block128
                               ? moe::WeightFormat::kFP8Block128
                               : moe::WeightFormat::kBF16;
   }
-  if (has("--dense-format"))
-    config.dense_format = ParseFormat("--dense-format", get("--dense-format"), false);
-  if (has("--scaling-factor"))
-    config.routing.routed_scaling_factor = ParseFloat("--scaling-factor", get("--scaling-factor"));
-  if (has("--router-skew")) options.router_skew = ParseFloat("--router-skew", get("--router-skew"));
-  if (has("--shard-size-mb"))
-    options.max_shard_bytes = ParseInt("--shard-size-mb", get("--shard-size-mb"), 1) << 20;
-  if (has("--threads"))
-    options.num_threads = static_cast<int>(ParseInt("--threads", get("--threads"), 1));
-  options.language_model_prefix = !has("--no-lm-prefix");
-  options.progress = !has("--quiet");
+  if (has("dense-format")) config.dense_format = ParseFormat("--dense-format", dense_format, false);
+  if (has("scaling-factor"))
+    config.routing.routed_scaling_factor = static_cast<float>(scaling_factor);
+  if (has("router-skew")) options.router_skew = static_cast<float>(router_skew);
+  options.max_shard_bytes = shard_size_mb << 20;
+  options.num_threads = static_cast<int>(threads);
+  options.language_model_prefix = !no_lm_prefix;
+  options.progress = !quiet;
 
-  const std::string out = flags["--out"];
   moe::SyntheticSummary summary;
   const absl::Status status = moe::WriteSyntheticCheckpoint(out, config, options, &summary);
   if (!status.ok()) {

@@ -117,6 +117,7 @@ int main(int argc, char** argv) {
   flags.String("routing-out", &opt.routing_out, "write the chosen expert ids [T, k] (int32 .npy)");
   flags.String("weights-out", &opt.weights_out, "write the routing weights [T, k] (float32 .npy)");
   flags.Int("threads", &opt.threads, "CPU threads (0 = all)");
+  flags.Range("threads", 0, 4096);
   flags.Int("ranks", &opt.ranks,
             "split the experts over this many in-process shards, as the service does");
   flags.String("placement", &opt.placement,
@@ -125,6 +126,7 @@ int main(int argc, char** argv) {
                "CPU kernel tier: best, avx512-bf16, avx512, avx2 or portable (default: "
                "MOE_CPU_KERNELS, else the best this CPU runs)");
   flags.Int("repeat", &opt.repeat, "run the forward this many times and report the median time");
+  flags.Range("repeat", 1, 1000000);
   flags.Require("checkpoint");
   flags.Require("input");
   flags.Require("output");

@@ -50,7 +50,8 @@ constexpr char kUsage[] =
     "to stdout once the gateway reports SERVING, and stops them all on SIGINT/SIGTERM: the\n"
     "gateway first (it drains the calls in flight), then the ranks. A rank that dies stops the\n"
     "cluster, or with --restart-ranks is started again (backoff 1 s doubling to 30 s).\n"
-    "Metrics ports, when --metrics-port M is given: gateway M, rank i M+1+i.\n"
+    "Metrics ports, when --metrics-port M is given: gateway M, rank i M+1+i (0: any free port\n"
+    "for each, as moe-gateway and moe-rank take --metrics-port 0).\n"
     "Ranks authenticate with a cluster token: --cluster-token-file, or one made for this run\n"
     "(random, in a 0700 temporary directory, removed at exit). --tls-* files go to the gateway\n"
     "(its identity, and with --tls-ca mTLS) and to the ranks (trust, and their identity).";
@@ -60,7 +61,7 @@ struct ClusterOptions {
   int ranks = 0;
   int port = 50051;
   int control_port = 0;            // 0: port + 1
-  int metrics_port = 0;            // 0: no metrics flags
+  int metrics_port = -1;           // -1: no metrics; 0: any free port each; M: M, M+1+i
   std::string cluster_token_file;  // "": one is made for the run
   TlsFiles tls;
   std::string host = "127.0.0.1";
@@ -434,7 +435,7 @@ int Cluster::Run() {
   std::vector<std::string> gateway = {
       options_.bin_dir + "/moe-gateway", "--checkpoint", options_.checkpoint,           "--port",
       std::to_string(options_.port),     "--ranks",      std::to_string(options_.ranks)};
-  if (options_.metrics_port > 0) {
+  if (options_.metrics_port >= 0) {
     gateway.insert(gateway.end(), {"--metrics-port", std::to_string(options_.metrics_port)});
   }
   gateway.insert(gateway.end(), {"--host", options_.host, "--drain-timeout-s",
@@ -482,9 +483,11 @@ int Cluster::Run() {
     if (options_.threads_per_rank > 0) {
       rank.insert(rank.end(), {"--threads", std::to_string(options_.threads_per_rank)});
     }
-    if (options_.metrics_port > 0) {
-      rank.insert(rank.end(), {"--metrics-port", std::to_string(options_.metrics_port + 1 + i),
-                               "--metrics-host", options_.host});
+    if (options_.metrics_port >= 0) {
+      // 0 stays 0 (every process picks a free port and logs it), as moe-gateway and moe-rank.
+      const int port = options_.metrics_port > 0 ? options_.metrics_port + 1 + i : 0;
+      rank.insert(rank.end(),
+                  {"--metrics-port", std::to_string(port), "--metrics-host", options_.host});
     }
     RankChild child;
     child.argv = rank;
@@ -568,9 +571,12 @@ int Main(int argc, char** argv) {
   Flags flags(kUsage);
   flags.String("checkpoint", &options.checkpoint, "checkpoint directory, passed to moe-gateway");
   flags.Int("ranks", &options.ranks, "number of moe-rank processes");
+  flags.Range("ranks", 1, 4096);
   flags.Int("port", &options.port, "gateway gRPC port");
+  flags.Range("port", 1, 65535);
   flags.Int("control-port", &options.control_port,
             "gateway control port the ranks register on (0: --port + 1)");
+  flags.Range("control-port", 0, 65535);
   flags.String("cluster-token-file", &options.cluster_token_file,
                "cluster token for the gateway and the ranks (default: a random one for this run)");
   flags.String("tls-cert", &options.tls.cert,
@@ -583,10 +589,13 @@ int Main(int argc, char** argv) {
   flags.String("tls-server-name", &options.tls.server_name,
                "name in --tls-cert to verify when it does not name the --host address");
   flags.Int("metrics-port", &options.metrics_port,
-            "Prometheus port of the gateway; rank i gets M+1+i (0: no metrics flags)");
+            "Prometheus port M of the gateway; rank i gets M+1+i (-1 = off; 0 = any free port "
+            "for each, as moe-gateway and moe-rank take it)");
+  flags.Range("metrics-port", -1, 65535);
   flags.String("host", &options.host, "gateway listen address");
   flags.Int("threads-per-rank", &options.threads_per_rank,
             "--threads for each rank (0: the rank's default)");
+  flags.Range("threads-per-rank", 0, 4096);
   flags.String("bin-dir", &options.bin_dir,
                "directory of moe-gateway and moe-rank (default: moe-cluster's own)");
   flags.Double("ready-timeout-s", &options.ready_timeout_s,
@@ -600,6 +609,7 @@ int Main(int argc, char** argv) {
              "start a rank that dies again (backoff 1 s doubling to 30 s) instead of stopping");
   flags.Require("checkpoint");
   flags.Require("ranks");
+  flags.AllowPositional();  // refused below with a hint: gateway flags go after --
   flags.ParseOrExit(flag_end, argv);
   options.gateway_extra.assign(argv + std::min(flag_end + 1, argc), argv + argc);
 
@@ -613,7 +623,7 @@ int Main(int argc, char** argv) {
   }
   if (options.ranks < 1) return usage_error("--ranks must be at least 1");
   if (options.port < 1 || options.port > 65535) return usage_error("--port must be in 1..65535");
-  if (options.metrics_port != 0) {
+  if (options.metrics_port > 0) {
     const int last = options.metrics_port + options.ranks;
     if (options.metrics_port < 1 || last > 65535) {
       return usage_error(absl::StrCat("--metrics-port: ports ", options.metrics_port, "..", last,
@@ -628,7 +638,7 @@ int Main(int argc, char** argv) {
   if (options.control_port < 1 || options.control_port > 65535 ||
       options.control_port == options.port)
     return usage_error(absl::StrCat("--control-port must be in 1..65535 and differ from --port"));
-  if (options.metrics_port != 0 && options.control_port >= options.metrics_port &&
+  if (options.metrics_port > 0 && options.control_port >= options.metrics_port &&
       options.control_port <= options.metrics_port + options.ranks)
     return usage_error(absl::StrCat(
         "--metrics-port: ports ", options.metrics_port, "..", options.metrics_port + options.ranks,

@@ -31,13 +31,16 @@ int main(int argc, char** argv) {
       "--control-port; ready (SERVING) once every rank has registered and loaded its experts.");
   flags.String("checkpoint", &options.checkpoint, "checkpoint directory");
   flags.Int("ranks", &options.num_ranks, "number of expert ranks");
+  flags.Range("ranks", 1, 4096);
   flags.String("host", &options.host, "listen address");
   flags.Int("port", &options.port, "listen port (0 = any free port, printed at start)");
+  flags.Range("port", 0, 65535);
   flags.String("control-host", &options.control_host,
                "listen address of the control port (default: the --host value)");
   flags.Int("control-port", &options.control_port,
             "port the ranks register on (moe-rank --gateway HOST:PORT); keep it off published "
             "ports (0 = any free port, printed at start)");
+  flags.Range("control-port", 0, 65535);
   moe::AddTlsFlags(flags, &options.tls, /*server=*/true);
   std::string cluster_token_file, api_token_file, admin_token_file;
   flags.String("cluster-token-file", &cluster_token_file,
@@ -54,6 +57,7 @@ int main(int argc, char** argv) {
             "fp32 rows + 1 MiB)");
   flags.Int("max-concurrent-requests", &options.max_concurrent_requests,
             "requests in flight at once (RESOURCE_EXHAUSTED beyond)");
+  flags.Range("max-concurrent-requests", 1, 1 << 20);
   flags.String("layers", &layers,
                "served MoE layers, comma separated (default: all in the checkpoint)");
   flags.String("dtype", &dtype, "bf16 (the numerics contract) or fp32 (no intermediate rounding)");
@@ -61,21 +65,26 @@ int main(int argc, char** argv) {
                "grpc (CPU hosts) or nccl (GPUs; needs --backend cuda)");
   flags.String("backend", &options.backend, "compute backend: cpu or cuda");
   flags.Int("device", &options.device, "CUDA device of the gateway (--backend cuda)");
+  flags.Range("device", 0, 1023);
   flags.String("placement", &options.placement_file,
                "expert placement file (one line of expert ids per rank)");
   flags.Int("max-tokens-per-step", &options.batcher.max_tokens_per_step,
             "tokens batched into one step");
+  flags.Range("max-tokens-per-step", 1, 1 << 24);
   flags.Int("max-wait-us", &max_wait_us, "how long a step waits for more requests");
   flags.Int("max-request-tokens", &options.max_request_tokens,
             "largest request (RESOURCE_EXHAUSTED beyond)");
+  flags.Range("max-request-tokens", 1, 1 << 24);
   flags.Int("max-queued-tokens", &options.batcher.max_queued_tokens,
             "queue limit (RESOURCE_EXHAUSTED beyond)");
   flags.Int("step-timeout-ms", &step_timeout_ms, "bound on one step's exchange with the ranks");
   flags.Int("heartbeat-ms", &heartbeat_ms,
             "heartbeat interval on each rank's exchange stream (ranks use the same)");
+  flags.Range("heartbeat-ms", 1, 600000);
   flags.Int("rank-timeout-ms", &rank_timeout_ms,
             "a rank that sends nothing for this long (hung, cut off) is marked down; ranks give "
             "up on a gateway as silent as long");
+  flags.Range("rank-timeout-ms", 1, 3600000);
   int64_t stream_buffer_mb = 64;
   flags.Int("stream-buffer-mb", &stream_buffer_mb,
             "responses buffered per ForwardStream for a slow reader; beyond, its new requests get "
@@ -85,8 +94,10 @@ int main(int argc, char** argv) {
                "on SIGTERM/SIGINT: NOT_SERVING and new calls UNAVAILABLE at once, then up to this "
                "long for the calls in flight before exiting");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
+  flags.Range("threads", 0, 4096);
   flags.Int("metrics-port", &options.metrics_port,
             "Prometheus /metrics port (-1 = off, 0 = any free port)");
+  flags.Range("metrics-port", -1, 65535);
   std::string metrics_host;
   flags.String("metrics-host", &metrics_host, "metrics listen address (default: the --host value)");
   flags.Bool("per-expert-metrics", &options.metrics.per_expert,

@@ -37,9 +37,11 @@ int main(int argc, char** argv) {
   flags.String("cluster-token-file", &cluster_token_file,
                "shared secret the gateway requires (its --cluster-token-file)");
   flags.Int("rank", &options.requested_rank, "rank id to claim (-1: the gateway assigns one)");
+  flags.Range("rank", -1, 4095);
   flags.String("checkpoint", &options.checkpoint,
                "checkpoint directory, if mounted elsewhere than on the gateway");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
+  flags.Range("threads", 0, 4096);
   flags.String("backend", &options.backend, "compute backend: cpu or cuda");
   flags.Bool(
       "prefault", &options.prefault,
@@ -48,11 +50,14 @@ int main(int argc, char** argv) {
              "refuse experts holding NaN/Inf at load (reads every bf16/FP8 weight byte, MXFP4 "
              "scales only)");
   flags.Int("device", &options.device, "CUDA device (--backend cuda)");
+  flags.Range("device", 0, 1023);
   flags.Int("connect-timeout-s", &connect_timeout_s, "how long to wait for the gateway");
+  flags.Range("connect-timeout-s", 0, 86400);
   flags.Bool("exit-on-disconnect", &exit_on_disconnect,
              "exit when the gateway goes away instead of re-registering");
   flags.Int("metrics-port", &metrics_port,
             "serve Prometheus /metrics on this port (-1 = off, 0 = any free port)");
+  flags.Range("metrics-port", -1, 65535);
   flags.String("metrics-host", &metrics_host, "metrics listen address");
   flags.Int("debug-step-delay-ms", &debug_step_delay_ms,
             "fault injection: delay every step (tests only)");

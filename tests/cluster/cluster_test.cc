@@ -279,6 +279,23 @@ TEST_F(ClusterTest, NoMetricsFlagsWithoutMetricsPort) {
   EXPECT_TRUE(WaitExit().success()) << Stderr();
 }
 
+TEST_F(ClusterTest, MetricsPortZeroMeansAnyFreePortForEveryProcess) {
+  // As moe-gateway and moe-rank read --metrics-port 0 (not "off", which is -1, the default).
+  StartCluster(Args(1, {"--control-port", std::to_string(port_ + 7), "--cluster-token-file",
+                        dir_ + "/token", "--metrics-port", "0", "--", "--serve-after-ms", "0"}));
+  ASSERT_TRUE(WaitForStdout(ReadyLine(1))) << Stderr();
+  ASSERT_TRUE(WaitForFile(dir_ + "/rank-0.pid"));
+  const std::vector<std::string> rank = ReadLines(dir_ + "/rank-0.argv");
+  const auto at = std::find(rank.begin(), rank.end(), "--metrics-port");
+  ASSERT_NE(at, rank.end());
+  ASSERT_NE(at + 1, rank.end());
+  EXPECT_EQ(*(at + 1), "0");
+  EXPECT_NE(ReadFile(dir_ + "/gateway.argv").find("--metrics-port\n0\n"), std::string::npos)
+      << ReadFile(dir_ + "/gateway.argv");
+  ASSERT_EQ(kill(pid_, SIGINT), 0);
+  EXPECT_TRUE(WaitExit().success()) << Stderr();
+}
+
 TEST_F(ClusterTest, RankDeathStopsTheClusterWithFailure) {
   StartCluster(Args(2, {"--", "--serve-after-ms", "100"}));
   ASSERT_TRUE(WaitForStdout(ReadyLine(2))) << Stderr();
