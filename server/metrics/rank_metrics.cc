@@ -47,10 +47,9 @@ RankMetrics::RankMetrics() : registry_(std::make_shared<prometheus::Registry>())
                   .Name("moe_rank_id")
                   .Help("This process's rank id (-1 before registering)")
                   .Register(*registry_);
-  rank_id_->Add({}).Set(-1);
-  weight_bytes_->Add({}).Set(0);
-  received_bytes_->Add({});
-  sent_bytes_->Add({});
+  // Until the rank registers it has no id: these four are unlabeled, then move to rank="R".
+  AddRankSeries({});
+  rank_id_series_->Set(-1);
 }
 
 RankMetrics::~RankMetrics() = default;
@@ -67,22 +66,42 @@ absl::Status RankMetrics::Serve(const std::string& address) {
   return absl::OkStatus();
 }
 
+void RankMetrics::AddRankSeries(const prometheus::Labels& labels) {
+  rank_id_series_ = &rank_id_->Add(labels);
+  weight_bytes_series_ = &weight_bytes_->Add(labels);
+  received_bytes_series_ = &received_bytes_->Add(labels);
+  sent_bytes_series_ = &sent_bytes_->Add(labels);
+}
+
 void RankMetrics::OnRegistered(int rank, int64_t weight_bytes) {
-  rank_id_->Add({}).Set(rank);
-  weight_bytes_->Add({}).Set(static_cast<double>(weight_bytes));
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string label = std::to_string(rank);
+  if (label != rank_label_) {
+    // A new identity (first registration, or registered again as another id): the series
+    // move to its label; the transport counters start again from zero under it.
+    rank_id_->Remove(rank_id_series_);
+    weight_bytes_->Remove(weight_bytes_series_);
+    received_bytes_->Remove(received_bytes_series_);
+    sent_bytes_->Remove(sent_bytes_series_);
+    rank_label_ = label;
+    AddRankSeries({{"rank", rank_label_}});
+  }
+  rank_id_series_->Set(rank);
+  weight_bytes_series_->Set(static_cast<double>(weight_bytes));
 }
 
 void RankMetrics::OnRankStep(const RankStepReport& r) {
   static const prometheus::Histogram::BucketBoundaries kBuckets = {
       1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
       5e-2, 0.1,    0.25, 0.5,  1.0,    2.5,  5.0,  10.0};
-  const prometheus::Labels layer = {{"layer", std::to_string(r.layer)}};
+  std::lock_guard<std::mutex> lock(mu_);  // the label can change only between steps
+  const prometheus::Labels layer = {{"layer", std::to_string(r.layer)}, {"rank", rank_label_}};
   steps_->Add(layer).Increment();
   rows_->Add(layer).Increment(static_cast<double>(r.rows));
   compute_seconds_->Add(layer, kBuckets).Observe(absl::ToDoubleSeconds(r.compute));
   active_experts_->Add(layer).Set(r.active_experts);
-  received_bytes_->Add({}).Increment(static_cast<double>(r.bytes_received));
-  sent_bytes_->Add({}).Increment(static_cast<double>(r.bytes_sent));
+  received_bytes_series_->Increment(static_cast<double>(r.bytes_received));
+  sent_bytes_series_->Increment(static_cast<double>(r.bytes_sent));
 }
 
 }  // namespace moe

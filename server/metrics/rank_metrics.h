@@ -1,7 +1,10 @@
-// Prometheus metrics of an expert rank (served on its own /metrics endpoint).
+// Prometheus metrics of an expert rank (served on its own /metrics endpoint). Every moe_* series
+// carries the rank's id as `rank` once it has registered (so a plain static scrape of several
+// ranks keeps them apart); process_* and moe_build_info describe the process.
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
@@ -28,6 +31,8 @@ class RankMetrics final : public RankStepObserver {
   void OnRankStep(const RankStepReport& report) override;
 
  private:
+  void AddRankSeries(const prometheus::Labels& labels);
+
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsServer> server_;
   int port_ = 0;
@@ -40,6 +45,13 @@ class RankMetrics final : public RankStepObserver {
   prometheus::Family<prometheus::Counter>* sent_bytes_;
   prometheus::Family<prometheus::Gauge>* rank_id_;
   prometheus::Family<prometheus::Gauge>* build_info_;
+  std::mutex mu_;
+  std::string rank_label_;  // "" until registered; guarded by mu_
+  // The series labelled by the rank alone (guarded by mu_ when they move).
+  prometheus::Gauge* rank_id_series_ = nullptr;
+  prometheus::Gauge* weight_bytes_series_ = nullptr;
+  prometheus::Counter* received_bytes_series_ = nullptr;
+  prometheus::Counter* sent_bytes_series_ = nullptr;
 };
 
 }  // namespace moe

@@ -34,7 +34,8 @@ REQUIRED_ON_DASHBOARD = [
     "moe_rank_tokens_total", "moe_load_balancedness", "moe_forward_stage_duration_seconds_bucket",
     "moe_requests_total", "moe_qb_predicted_balancedness", "moe_qb_observed_balancedness", "moe_rank_up",
     "moe_rank_weight_bytes", "moe_transport_gateway_to_rank_bytes_total", "moe_transport_rank_to_gateway_bytes_total",
-    "moe_request_duration_seconds_bucket",
+    "moe_request_duration_seconds_bucket", "moe_step_tokens_bucket", "moe_requests_in_flight", "moe_queue_tokens",
+    "moe_expert_tokens_total",
 ]
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
                 "offset"}

@@ -168,13 +168,16 @@ TEST(ObservabilityTest, PrometheusSeesExactlyTheTokensTheRoutingSent) {
       gateway_seen[{std::stoi(s["metric"]["layer"].get<std::string>()),
                     std::stoi(s["metric"]["rank"].get<std::string>())}] =
           std::llround(std::stod(s["value"][1].get<std::string>()));
-    // The ranks count what they received; their scrape address tells which rank they are.
+    // The ranks count what they received, under their own `rank` label; their scrape address
+    // tells which rank they are, and the two must agree.
     for (const auto& s :
-         prometheus.Query("sum by (layer, instance) (moe_rank_received_tokens_total)")) {
+         prometheus.Query("sum by (layer, rank, instance) (moe_rank_received_tokens_total)")) {
       const std::string instance = s["metric"]["instance"].get<std::string>();
       const int port = std::stoi(instance.substr(instance.rfind(':') + 1));
       const int rank = static_cast<int>(std::find(rank_ports.begin(), rank_ports.end(), port) -
                                         rank_ports.begin());
+      ASSERT_TRUE(s["metric"].contains("rank")) << s.dump();
+      EXPECT_EQ(s["metric"]["rank"].get<std::string>(), std::to_string(rank)) << s.dump();
       rank_seen[{std::stoi(s["metric"]["layer"].get<std::string>()), rank}] =
           std::llround(std::stod(s["value"][1].get<std::string>()));
     }
@@ -190,6 +193,12 @@ TEST(ObservabilityTest, PrometheusSeesExactlyTheTokensTheRoutingSent) {
         << prometheus.Log();
     EXPECT_EQ(rank_seen[key], count) << "rank view, layer " << key.first << " rank " << key.second;
   }
+  // Every moe_* series a rank exports names its rank (process_* and moe_build_info describe the
+  // process).
+  for (const auto& s : prometheus.Query("{job=\"moe-rank\", __name__=~\"moe_.*\", "
+                                        "__name__!=\"moe_build_info\"}"))
+    EXPECT_TRUE(s["metric"].contains("rank")) << s.dump();
+  EXPECT_EQ(prometheus.Query("{job=\"moe-rank\", __name__=~\"moe_.*\"}").size() > 10, true);
   // The rank-up gauge and balancedness are there too.
   EXPECT_EQ(prometheus.Query("sum(moe_rank_up)")[0]["value"][1].get<std::string>(), "3");
   EXPECT_FALSE(prometheus.Query("moe_load_balancedness{layer=\"1\"}").empty());
