@@ -233,7 +233,8 @@ absl::Status RunLayer(const LayerOptions& opt) {
           << r.flop_ms << "\n";
     }
     std::ofstream g(script);
-    g << "set terminal pngcairo size 900,560 font ',11'\n"
+    // noenhanced: "kimi_k3" is a name, not k3 as a subscript.
+    g << "set terminal pngcairo size 900,560 font ',11'\nset termoption noenhanced\n"
       << "set output '" << opt.plot << "'\n"
       << "set title '" << name << ": time vs roofline (" << backend.name() << ")'\n"
       << "set logscale xy\nset xlabel 'tokens per step'\nset ylabel 'ms'\nset grid\nset key top "

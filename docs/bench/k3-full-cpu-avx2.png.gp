@@ -1,4 +1,5 @@
 set terminal pngcairo size 900,560 font ',11'
+set termoption noenhanced
 set output 'docs/bench/k3-full-cpu-avx2.png'
 set title 'Kimi K3 full layer, avx2 tier: time vs roofline (cpu(avx2, 2 threads))'
 set logscale xy

@@ -1,4 +1,5 @@
 set terminal pngcairo size 900,560 font ',11'
+set termoption noenhanced
 set output 'docs/bench/k3-full-cpu.png'
 set title 'kimi_k3 layer 1: time vs roofline (cpu(avx512-bf16, 2 threads))'
 set logscale xy
