@@ -8,7 +8,8 @@ namespace moe {
 absl::StatusOr<std::unique_ptr<LocalMoeLayer>> LocalMoeLayer::Load(const Checkpoint& checkpoint,
                                                                    int layer,
                                                                    const ExpertPlacement& placement,
-                                                                   Backend* backend) {
+                                                                   Backend* backend,
+                                                                   Progress* progress) {
   const MoeConfig& config = checkpoint.config();
   if (placement.num_experts != config.routing.num_experts)
     return absl::InvalidArgumentError(absl::StrCat("placement covers ", placement.num_experts,
@@ -16,12 +17,24 @@ absl::StatusOr<std::unique_ptr<LocalMoeLayer>> LocalMoeLayer::Load(const Checkpo
                                                    config.routing.num_experts));
   std::unique_ptr<LocalMoeLayer> local(new LocalMoeLayer(backend));
   local->layer_ = layer;
+  int64_t before = 0;  // bytes of the shards loaded already
   for (int r = 0; r < placement.num_ranks(); ++r) {
+    ExpertLoadOptions load;
+    if (progress != nullptr) {
+      const std::string stage = absl::StrCat("layer ", layer, ", shard ", r + 1, "/",
+                                             placement.num_ranks(), ", checking values");
+      load.on_checked = [&, stage](int64_t done, int64_t total) {
+        progress->SetTotal(before + total * (placement.num_ranks() - r));
+        progress->Add(before + done - progress->done(), stage);
+      };
+    }
     ASSIGN_OR_RETURN(ExpertShardWeights weights,
-                     checkpoint.LoadExperts(layer, placement.rank_experts[r]));
+                     checkpoint.LoadExperts(layer, placement.rank_experts[r], load));
+    before = progress != nullptr ? progress->done() : 0;
     ASSIGN_OR_RETURN(auto shard, ExpertShard::Create(config, weights, backend));
     local->transport_.AddShard(r, std::move(shard));
   }
+  if (progress != nullptr) progress->Finish();
   // The engine's own precision is unused: Forward names one per call.
   ASSIGN_OR_RETURN(local->engine_,
                    StepEngine::Create(checkpoint, {layer}, placement, Precision::kBF16, backend,

@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/progress.h"
 #include "engine/step_engine.h"
 #include "kernels/backend.h"
 #include "model/checkpoint.h"
@@ -24,11 +25,13 @@ struct LayerTimings {
 
 class LocalMoeLayer {
  public:
-  // Loads layer `layer` of `checkpoint` with its experts split over `placement` (in-process).
+  // Loads layer `layer` of `checkpoint` with its experts split over `placement` (in-process);
+  // `progress` (optional) hears of the experts' value check, the long part of a full layer.
   static absl::StatusOr<std::unique_ptr<LocalMoeLayer>> Load(const Checkpoint& checkpoint,
                                                              int layer,
                                                              const ExpertPlacement& placement,
-                                                             Backend* backend);
+                                                             Backend* backend,
+                                                             Progress* progress = nullptr);
 
   // out = layer(x) for host arrays x, out: [tokens, H]. routing (optional) receives the
   // router's choices.

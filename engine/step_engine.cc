@@ -25,7 +25,7 @@ int64_t FirstNonFinite(const T* data, int64_t n) {
 
 absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(
     const Checkpoint& checkpoint, const std::vector<int>& layers, ExpertPlacement placement,
-    Precision precision, Backend* backend, GatewayTransport* transport) {
+    Precision precision, Backend* backend, GatewayTransport* transport, Progress* progress) {
   std::unique_ptr<StepEngine> engine(new StepEngine());
   engine->config_ = checkpoint.config();
   engine->precision_ = precision;
@@ -38,14 +38,25 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(
   engine->rank_generations_.assign(placement.num_ranks(), {1});
   engine->placement_ =
       std::make_shared<const PlacementGeneration>(PlacementGeneration{1, std::move(placement)});
+  int index = 0;
   for (int layer : layers) {
+    ++index;
     auto state = std::make_unique<LayerState>();
     ASSIGN_OR_RETURN(GatewayLayerWeights weights, checkpoint.LoadGatewayLayer(layer));
     ASSIGN_OR_RETURN(state->math, GatewayLayer::Create(engine->config_, weights, backend));
     state->bias = state->math->router_bias();
     state->workspace = std::make_unique<Workspace>(backend);
     engine->layers_[layer] = std::move(state);
+    if (progress != nullptr) {
+      // Loaded (mapped, value-checked, prepared): the estimate is this layer's size for those to
+      // come.
+      const int64_t bytes = weights.TotalBytes();
+      progress->SetTotal(progress->done() +
+                         bytes * (static_cast<int64_t>(layers.size()) - index + 1));
+      progress->Add(bytes, absl::StrCat("layer ", layer, " (", index, "/", layers.size(), ")"));
+    }
   }
+  if (progress != nullptr) progress->Finish();
   return engine;
 }
 

@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/progress.h"
 #include "kernels/backend.h"
 #include "model/checkpoint.h"
 #include "model/dispatch.h"
@@ -73,7 +74,8 @@ class StepEngine {
                                                             const std::vector<int>& layers,
                                                             ExpertPlacement placement,
                                                             Precision precision, Backend* backend,
-                                                            GatewayTransport* transport);
+                                                            GatewayTransport* transport,
+                                                            Progress* progress = nullptr);
 
   const MoeConfig& config() const { return config_; }
   Precision precision() const { return precision_; }

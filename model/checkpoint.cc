@@ -334,8 +334,15 @@ absl::StatusOr<ExpertShardWeights> Checkpoint::LoadExperts(int layer,
   // 6-7 GB/s on one core here, first-touch page faults included (705 MB of K2 FP8 experts in
   // 110 ms), so ~30 s for a 200 GB FP8 or bf16 rank and ~2 s for an MXFP4 one (scales only).
   // moe-rank --check-weights=false skips it. A NaN not found here serves finite wrong outputs.
-  if (options.check_values)
-    for (const UsedTensor& t : touched) RETURN_IF_ERROR(CheckFinite(t));
+  if (options.check_values) {
+    int64_t total = 0, done = 0;
+    for (const UsedTensor& t : touched) total += static_cast<int64_t>(t.located.info->size_bytes);
+    for (const UsedTensor& t : touched) {
+      RETURN_IF_ERROR(CheckFinite(t));
+      done += static_cast<int64_t>(t.located.info->size_bytes);
+      if (options.on_checked) options.on_checked(done, total);
+    }
+  }
   return shard;
 }
 

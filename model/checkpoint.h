@@ -13,6 +13,7 @@
 // Checkpoint lives.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +57,9 @@ struct ExpertLoadOptions {
   // MXFP4 experts only the E8M0 scales (1/17 of their bytes): E2M1 codes are all finite. The
   // gateway's tensors are always checked.
   bool check_values = true;
+  // With check_values: called after each tensor is checked with the bytes checked so far and
+  // the bytes of every tensor this call checks (progress of a long load).
+  std::function<void(int64_t done, int64_t total)> on_checked;
 };
 
 class Checkpoint {

@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/numerics.h"
+#include "core/progress.h"
 #include "core/status.h"
 #include "model/safetensors.h"
 
@@ -344,41 +345,18 @@ struct Chunk {
   uint32_t size;
 };
 
-std::string HumanBytes(double bytes) {
-  if (bytes >= 1e9) return absl::StrFormat("%.2f GB", bytes / 1e9);
-  if (bytes >= 1e6) return absl::StrFormat("%.1f MB", bytes / 1e6);
-  return absl::StrFormat("%.0f kB", bytes / 1e3);
-}
-
+// Progress of the writer: cumulative byte counts, as GenerateShards knows them.
 class ProgressBar {
  public:
-  ProgressBar(bool enabled, uint64_t total) : enabled_(enabled), total_(total) {}
+  ProgressBar(bool enabled, uint64_t total)
+      : progress_("moe-ckpt: writing", static_cast<int64_t>(total), enabled) {}
   void Update(uint64_t done, bool final = false) {
-    if (!enabled_) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (!final && now - last_ < std::chrono::milliseconds(250)) return;
-    last_ = now;
-    const double seconds = std::chrono::duration<double>(now - start_).count();
-    const double rate = seconds > 0 ? done / seconds : 0;
-    const double fraction = total_ > 0 ? static_cast<double>(done) / total_ : 1.0;
-    const int width = 30;
-    const int filled = static_cast<int>(fraction * width);
-    std::string bar(filled, '=');
-    if (filled < width) bar += '>' + std::string(width - filled - 1, ' ');
-    const double eta = rate > 0 ? (total_ - done) / rate : 0;
-    std::fprintf(stderr, "\r[%s] %3d%%  %s / %s  %6.0f MB/s  %s %4.0fs ", bar.c_str(),
-                 static_cast<int>(fraction * 100), HumanBytes(done).c_str(),
-                 HumanBytes(total_).c_str(), rate / 1e6, final ? "took" : "ETA",
-                 final ? seconds : eta);
-    if (final) std::fputc('\n', stderr);
-    std::fflush(stderr);
+    progress_.Add(static_cast<int64_t>(done) - progress_.done());
+    if (final) progress_.Finish();
   }
 
  private:
-  bool enabled_;
-  uint64_t total_;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  std::chrono::steady_clock::time_point last_ = start_;
+  Progress progress_;
 };
 
 // Generates every chunk on `num_threads` workers into a ring of buffers while the calling

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "core/flags.h"
 #include "core/npy.h"
+#include "core/progress.h"
 #include "core/status.h"
 #include "engine/local_layer.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -69,7 +70,9 @@ absl::Status Run(const Options& opt) {
   CpuBackend& backend = *owned_backend;
   std::fprintf(stderr, "moe-forward: %s on %s\n", opt.checkpoint.c_str(), backend.name().c_str());
   const auto t_load = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(auto local, LocalMoeLayer::Load(*checkpoint, layer, placement, &backend));
+  Progress progress("moe-forward: loading", 0);
+  ASSIGN_OR_RETURN(auto local,
+                   LocalMoeLayer::Load(*checkpoint, layer, placement, &backend, &progress));
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
 

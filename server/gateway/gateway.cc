@@ -94,9 +94,10 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
     ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
     ASSIGN_OR_RETURN(gateway->nccl_unique_id_, plugin->new_nccl_unique_id());
   }
-  ASSIGN_OR_RETURN(gateway->engine_,
-                   StepEngine::Create(*gateway->checkpoint_, layers, std::move(placement),
-                                      options.precision, gateway->backend_.get(), steps));
+  Progress progress("moe-gateway: loading layers", 0);
+  ASSIGN_OR_RETURN(gateway->engine_, StepEngine::Create(*gateway->checkpoint_, layers,
+                                                        std::move(placement), options.precision,
+                                                        gateway->backend_.get(), steps, &progress));
   gateway->metrics_ =
       std::make_unique<GatewayMetrics>(config, gateway->engine_->layers(),
                                        gateway->engine_->placement()->placement, options.metrics);

@@ -43,6 +43,12 @@ RankMetrics::RankMetrics() : registry_(std::make_shared<prometheus::Registry>())
                      .Name("moe_build_info")
                      .Help("The build and backend of this process (value 1)")
                      .Register(*registry_);
+  load_progress_ = &BuildGauge()
+                        .Name("moe_load_progress_ratio")
+                        .Help(
+                            "Fraction of the rank's expert bytes mapped and prefaulted by the "
+                            "load in progress (1 once loaded)")
+                        .Register(*registry_);
   rank_id_ = &BuildGauge()
                   .Name("moe_rank_id")
                   .Help("This process's rank id (-1 before registering)")
@@ -68,6 +74,8 @@ absl::Status RankMetrics::Serve(const std::string& address) {
 
 void RankMetrics::AddRankSeries(const prometheus::Labels& labels) {
   rank_id_series_ = &rank_id_->Add(labels);
+  load_progress_series_ = &load_progress_->Add(labels);
+  load_progress_series_->Set(load_ratio_);
   weight_bytes_series_ = &weight_bytes_->Add(labels);
   received_bytes_series_ = &received_bytes_->Add(labels);
   sent_bytes_series_ = &sent_bytes_->Add(labels);
@@ -80,6 +88,7 @@ void RankMetrics::OnRegistered(int rank, int64_t weight_bytes) {
     // A new identity (first registration, or registered again as another id): the series
     // move to its label; the transport counters start again from zero under it.
     rank_id_->Remove(rank_id_series_);
+    load_progress_->Remove(load_progress_series_);
     weight_bytes_->Remove(weight_bytes_series_);
     received_bytes_->Remove(received_bytes_series_);
     sent_bytes_->Remove(sent_bytes_series_);
@@ -88,6 +97,12 @@ void RankMetrics::OnRegistered(int rank, int64_t weight_bytes) {
   }
   rank_id_series_->Set(rank);
   weight_bytes_series_->Set(static_cast<double>(weight_bytes));
+}
+
+void RankMetrics::OnLoadProgress(double ratio) {
+  std::lock_guard<std::mutex> lock(mu_);
+  load_ratio_ = ratio;
+  load_progress_series_->Set(ratio);
 }
 
 void RankMetrics::OnRankStep(const RankStepReport& r) {

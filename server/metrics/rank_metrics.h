@@ -29,6 +29,7 @@ class RankMetrics final : public RankStepObserver {
   // moe_build_info{version, commit, backend, kernels} = 1.
   void SetBuildInfo(const std::string& backend);
   void OnRankStep(const RankStepReport& report) override;
+  void OnLoadProgress(double ratio) override;
 
  private:
   void AddRankSeries(const prometheus::Labels& labels);
@@ -45,10 +46,13 @@ class RankMetrics final : public RankStepObserver {
   prometheus::Family<prometheus::Counter>* sent_bytes_;
   prometheus::Family<prometheus::Gauge>* rank_id_;
   prometheus::Family<prometheus::Gauge>* build_info_;
+  prometheus::Family<prometheus::Gauge>* load_progress_;
   std::mutex mu_;
+  double load_ratio_ = 0;   // guarded by mu_
   std::string rank_label_;  // "" until registered; guarded by mu_
   // The series labelled by the rank alone (guarded by mu_ when they move).
   prometheus::Gauge* rank_id_series_ = nullptr;
+  prometheus::Gauge* load_progress_series_ = nullptr;
   prometheus::Gauge* weight_bytes_series_ = nullptr;
   prometheus::Counter* received_bytes_series_ = nullptr;
   prometheus::Counter* sent_bytes_series_ = nullptr;

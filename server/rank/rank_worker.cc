@@ -7,6 +7,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "core/progress.h"
 #include "core/status.h"
 #include "security/tokens.h"
 #include "server/backend_factory.h"
@@ -27,12 +28,15 @@ std::string Hostname() {
 
 // Touches one byte per page of every expert tensor so the first steps do not pay the page
 // faults (and the shard's resident size is visible right after loading).
-void PrefaultWeights(const ExpertShardWeights& weights) {
+// Touches every page of the experts (reads them from disk now, not in the first steps);
+// `done` hears of each matrix.
+void PrefaultWeights(const ExpertShardWeights& weights, const std::function<void(int64_t)>& done) {
   volatile uint8_t sink = 0;
   auto touch = [&](const void* data, int64_t bytes) {
     const auto* p = static_cast<const uint8_t*>(data);
     for (int64_t i = 0; i < bytes; i += 4096) sink = sink + p[i];
     if (bytes > 0) sink = sink + p[bytes - 1];
+    done(bytes);
   };
   for (const MlpWeights& e : weights.experts)
     for (const WeightMatrix* m : {&e.gate, &e.up, &e.down}) {
@@ -191,7 +195,16 @@ absl::StatusOr<RankWorker::LayerShards> RankWorker::BuildShards(
     const LayerShards& reuse) {
   if (checkpoint_ == nullptr) return absl::FailedPreconditionError("no checkpoint open");
   LayerShards out;
+  // The total is known layer by layer (each is mapped before it is read): done so far plus
+  // this layer's bytes for every layer still to come.
+  Progress progress(absl::StrCat("moe-rank ", rank_.load(), ": loading experts"), 0,
+                    options_.progress);
+  progress.on_ratio = [this](double ratio) {
+    if (observer_ != nullptr) observer_->OnLoadProgress(ratio);
+  };
+  int index = 0;
   for (const auto& shard : shards) {
+    ++index;
     std::vector<int> experts(shard.experts().begin(), shard.experts().end());
     auto same = reuse.find(shard.layer());
     if (same != reuse.end() && same->second->expert_ids() == experts) {
@@ -203,10 +216,19 @@ absl::StatusOr<RankWorker::LayerShards> RankWorker::BuildShards(
     load.check_values = options_.check_weights;
     ASSIGN_OR_RETURN(ExpertShardWeights weights,
                      checkpoint_->LoadExperts(shard.layer(), experts, load));
-    if (options_.prefault && backend_->space() == MemorySpace::kHost) PrefaultWeights(weights);
+    const int64_t bytes = weights.TotalBytes();
+    progress.SetTotal(progress.done() + bytes * (shards.size() - index + 1));
+    const std::string stage =
+        absl::StrCat("layer ", shard.layer(), " (", index, "/", shards.size(), ")");
+    if (options_.prefault && backend_->space() == MemorySpace::kHost) {
+      PrefaultWeights(weights, [&](int64_t touched) { progress.Add(touched, stage); });
+    } else {
+      progress.Add(bytes, stage);
+    }
     ASSIGN_OR_RETURN(out[shard.layer()],
                      ExpertShard::Create(checkpoint_->config(), weights, backend_.get()));
   }
+  progress.Finish();
   return out;
 }
 

@@ -45,6 +45,7 @@ struct RankOptions {
   int64_t max_message_bytes = int64_t{1} << 30;
   // Fault in every page of the shard at load (predictable first steps; CPU backend).
   bool prefault = true;
+  bool progress = true;  // loading progress on stderr (a line every 5 s, a bar on a terminal)
   // Refuse experts holding NaN/Inf at load (ExpertLoadOptions::check_values).
   bool check_weights = true;
   // Fault injection for tests: sleep this long before answering each step.
@@ -68,6 +69,8 @@ class RankStepObserver {
   virtual ~RankStepObserver() = default;
   virtual void OnRegistered(int rank, int64_t weight_bytes) = 0;
   virtual void OnRankStep(const RankStepReport& report) = 0;
+  // Loading experts: the fraction of their bytes mapped and prefaulted so far (1 when done).
+  virtual void OnLoadProgress(double ratio) {}
 };
 
 class RankWorker {
