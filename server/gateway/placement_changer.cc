@@ -3,10 +3,20 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace moe {
+namespace {
+
+// A rank's error text goes into the log and to the caller of ApplyPlacement: escaped (no
+// forged log lines) and cut, as the bias-override source is.
+std::string RankText(const std::string& text) {
+  return absl::CEscape(absl::string_view(text).substr(0, 512));
+}
+
+}  // namespace
 
 using moe::v1::internal::GatewayToRank;
 
@@ -79,7 +89,7 @@ void PlacementChanger::OnShardsLoaded(int rank, const moe::v1::internal::ShardsL
   }
   if (loaded.generation() == current)
     std::fprintf(stderr, "moe-gateway: rank %d could not load placement generation %llu: %s\n",
-                 rank, static_cast<unsigned long long>(current), loaded.error().c_str());
+                 rank, static_cast<unsigned long long>(current), RankText(loaded.error()).c_str());
   GatewayToRank keep;  // whatever it loaded is not wanted: drop it
   keep.mutable_keep_shards()->set_generation(current);
   (void)transport_->SendControl(rank, keep);
@@ -149,7 +159,7 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
         if (failed.ok())
           failed = absl::UnavailableError(
               absl::StrCat("rank ", r, " could not load placement generation ", staged.generation,
-                           ": ", it->second.error()));
+                           ": ", RankText(it->second.error())));
       } else {
         change.ranks_loaded.push_back(r);
         change.slowest_load =
