@@ -170,6 +170,23 @@ def health_status(data: bytes) -> int:
     return status
 
 
+def _configure(client: Any, target: str, *, tls: bool = False, tls_ca: Optional[str] = None,
+               tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+               tls_server_name: Optional[str] = None, token: Optional[str] = None,
+               token_file: Optional[str] = None, max_message_bytes: Optional[int] = None) -> None:
+    """The options both clients take (MoeClient's docstring)."""
+    client.target = target
+    client._channels = _Channels(target, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+    token = _read_token(token, token_file)
+    # Per call, not as call credentials: gRPC sends those only over TLS, and a token on a
+    # plaintext channel to a trusted network is a deployment's choice.
+    client._metadata = (("authorization", f"Bearer {token}"),) if token else None
+    client._sized = max_message_bytes is not None
+    client.max_message_bytes = max_message_bytes or _BOOTSTRAP_MESSAGE_BYTES
+    # Channels replaced by a larger one stay open until close(): calls may still be on them.
+    client._replaced = []
+
+
 class MoeClient:
     """One channel to a moe.v1 gateway; safe to share between threads.
 
@@ -185,17 +202,11 @@ class MoeClient:
                  tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
                  tls_server_name: Optional[str] = None, token: Optional[str] = None,
                  token_file: Optional[str] = None, max_message_bytes: Optional[int] = None):
-        self.target = target
-        self._channels = _Channels(target, tls, tls_ca, tls_cert, tls_key, tls_server_name)
-        token = _read_token(token, token_file)
-        # Per call, not as call credentials: gRPC sends those only over TLS, and a token on a
-        # plaintext channel to a trusted network is a deployment's choice.
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._sized = max_message_bytes is not None
+        _configure(self, target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                   tls_server_name=tls_server_name, token=token, token_file=token_file,
+                   max_message_bytes=max_message_bytes)
         self._size_lock = threading.Lock()
-        # Channels replaced by a larger one stay open until close(): calls may still be on them.
-        self._replaced: List[Any] = []
-        self._open(max_message_bytes or _BOOTSTRAP_MESSAGE_BYTES)
+        self._open(self.max_message_bytes)
 
     def _open(self, limit: int) -> None:
         self.max_message_bytes = limit
@@ -281,14 +292,11 @@ class AsyncMoeClient:
                  tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
                  tls_server_name: Optional[str] = None, token: Optional[str] = None,
                  token_file: Optional[str] = None, max_message_bytes: Optional[int] = None):
-        self.target = target
-        self._channels = _Channels(target, tls, tls_ca, tls_cert, tls_key, tls_server_name)
-        token = _read_token(token, token_file)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._sized = max_message_bytes is not None
+        _configure(self, target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                   tls_server_name=tls_server_name, token=token, token_file=token_file,
+                   max_message_bytes=max_message_bytes)
         self._size_lock: Optional[asyncio.Lock] = None  # made in the event loop, on first use
-        self._replaced: List[Any] = []
-        self._open(max_message_bytes or _BOOTSTRAP_MESSAGE_BYTES)
+        self._open(self.max_message_bytes)
 
     def _open(self, limit: int) -> None:
         self.max_message_bytes = limit
