@@ -28,6 +28,7 @@
 #include "client/moe_client.h"
 #include "core/flags.h"
 #include "core/npy.h"
+#include "core/numerics.h"
 #include "core/status.h"
 #include "core/version.h"
 #include "google/protobuf/util/json_util.h"
@@ -127,10 +128,25 @@ std::string Bytes(int64_t bytes) {
 }
 
 // Reads an input batch: float16/float32/float64 .npy (float64, numpy's default, is rounded to
-// float32 as read, then to the wire dtype), [T, H] or [B, T, H].
-absl::StatusOr<NpyArray> ReadInput(const std::string& path) {
+// float32 as read, then to the wire dtype), or with `bf16` the bf16 bit patterns of a uint16 or
+// 2-byte void array (ml_dtypes.bfloat16 saves as 'V2', which the file cannot tell from any
+// other 2-byte type: the caller says so); [T, H] or [B, T, H].
+absl::StatusOr<NpyArray> ReadInput(const std::string& path, bool bf16 = false) {
   ASSIGN_OR_RETURN(NpyArray x, ReadNpy(path));
-  if (x.descr != "<f4" && x.descr != "<f2" && x.descr != "<f8")
+  const bool bits = x.descr == "<u2" || x.descr == "<V2" || x.descr == "|V2";
+  if (bf16 != bits)
+    return absl::InvalidArgumentError(
+        bf16 ? absl::StrCat(path, ": --input-bf16 needs a uint16 or bfloat16 (V2) array, got ",
+                            x.descr)
+             : absl::StrCat(path, ": input must be float16, float32 or float64, got ", x.descr,
+                            bits ? " (bf16 bit patterns? give --input-bf16)" : ""));
+  if (bits) {
+    x.data.resize(x.ints.size());
+    for (size_t i = 0; i < x.ints.size(); ++i)
+      x.data[i] = Bf16BitsToFloat(static_cast<uint16_t>(x.ints[i]));
+    x.ints.clear();
+  }
+  if (x.descr != "<f4" && x.descr != "<f2" && x.descr != "<f8" && !bits)
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": input must be float16, float32 or float64, got ", x.descr));
   if (x.shape.size() != 2 && x.shape.size() != 3)
@@ -158,20 +174,24 @@ absl::StatusOr<NpyArray> RandomInput(MoeClient& client, int64_t tokens, int64_t 
 int RunForward(int argc, char** argv) {
   std::string target, input, output, routing_out, weights_out, dtype = "fp32", output_dtype;
   std::string save_input;
+  bool input_bf16 = false;
   int layer = 0;
   int64_t timeout_ms = 60000, random_tokens = 0, seed = 1;
   Flags flags(
       "usage: moe-client forward --target HOST:PORT --layer L (--input x.npy | --random T)\n"
       "         --output y.npy [--routing-out ids.npy] [--routing-weights-out w.npy]\n"
       "         [--dtype bf16|fp16|fp32] [--timeout-ms N]\n\n"
-      "Input .npy: float16, float32 or float64, [T, H] or [B, T, H]; or --random T: T tokens\n"
-      "of N(0,1) values (H from GetModelInfo; --save-input keeps them). Output: float32 of the\n"
+      "Input .npy: float16, float32 or float64 (bf16: --input-bf16), [T, H] or [B, T, H]; or\n"
+      "--random T: T tokens of N(0,1) values (H from GetModelInfo; --save-input keeps them).\n"
+      "Output: float32 of the\n"
       "same shape. Routing outputs are [tokens, top_k] (int32 ids, float32 weights).");
   flags.String("target", &target, "server address HOST:PORT");
   Connection connection;
   connection.AddFlags(flags);
   flags.Int("layer", &layer, "MoE layer index (the checkpoint's numbering)");
   flags.String("input", &input, "input .npy");
+  flags.Bool("input-bf16", &input_bf16,
+             "--input holds bf16 bit patterns (uint16, or ml_dtypes.bfloat16 saved as 'V2')");
   flags.Int("random", &random_tokens, "instead of --input: this many tokens of N(0,1) values");
   flags.Int("seed", &seed, "seed of --random");
   flags.String("save-input", &save_input, "write the --random input here (float32 .npy)");
@@ -186,6 +206,7 @@ int RunForward(int argc, char** argv) {
   if (input.empty() == !flags.WasSet("random")) return UsageError("give --input or --random");
   if (flags.WasSet("random") && random_tokens < 1) return UsageError("--random must be >= 1");
   if (!save_input.empty() && !input.empty()) return UsageError("--save-input goes with --random");
+  if (input_bf16 && input.empty()) return UsageError("--input-bf16 goes with --input");
 
   ForwardOptions options;
   absl::StatusOr<moe::v1::DType> wire = ParseWireDType(dtype);
@@ -204,7 +225,7 @@ int RunForward(int argc, char** argv) {
       ConnectOrExitCode(target, connection, &exit_code);
   if (!client.ok()) return exit_code;
   absl::StatusOr<NpyArray> x =
-      input.empty() ? RandomInput(**client, random_tokens, seed) : ReadInput(input);
+      input.empty() ? RandomInput(**client, random_tokens, seed) : ReadInput(input, input_bf16);
   if (!x.ok()) return Fail(x.status());
   if (!save_input.empty()) {
     if (absl::Status s = WriteNpyFloat32(save_input, x->shape, x->data.data()); !s.ok())

@@ -104,7 +104,8 @@ absl::Status Flags::ParseArgs(const std::vector<std::string>& args, const std::s
                               int depth) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
-    if (arg == "--help" || arg == "-h") {
+    // --helpfull as absl/flags users type it: there are no library flags, so it is --help.
+    if (arg == "--help" || arg == "-h" || arg == "--helpfull") {
       std::fputs(Usage().c_str(), stdout);
       return absl::CancelledError("help");
     }

@@ -103,14 +103,14 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
     elem = 1;
   else if (descr == "<f4" || descr == "<i4")
     elem = 4;
-  else if (descr == "<f2")
+  else if (descr == "<f2" || descr == "<u2" || descr == "|V2" || descr == "<V2")
     elem = 2;
   else if (descr == "<f8" || descr == "<i8")
     elem = 8;
   else
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": unsupported .npy dtype '", descr,
-                     "' (float16, float32, float64, int32, int64, bool, uint8)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": unsupported .npy dtype '", descr,
+        "' (float16, float32, float64, int32, int64, bool, uint8, uint16, 2-byte void)"));
   if (payload_bytes != static_cast<size_t>(n) * elem)
     return Malformed(what,
                      absl::StrCat("payload is ", payload_bytes, " bytes, shape needs ", n * elem));
@@ -137,6 +137,15 @@ absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& w
     for (int64_t i = 0; i < n; ++i)
       out.ints[i] =
           descr == "|i1" ? static_cast<int8_t>(payload[i]) : static_cast<uint8_t>(payload[i]);
+  } else if (elem == 2) {
+    // uint16, or a 2-byte type numpy cannot name (ml_dtypes' bfloat16 is saved as 'V2'): the
+    // 16-bit patterns; what they mean is the reader's to say.
+    out.ints.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t v;
+      std::memcpy(&v, payload + 2 * i, 2);
+      out.ints[i] = v;
+    }
   } else if (descr == "<i4") {
     out.ints.resize(n);
     if (n > 0) std::memcpy(out.ints.data(), payload, n * 4);

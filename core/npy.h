@@ -19,7 +19,9 @@ struct NpyArray {
   int64_t num_elements() const;
 };
 
-// Reads float16/float32/float64 (into data) or int32/int64/int8/uint8/bool (into ints) arrays.
+// Reads float16/float32/float64 (into data) or int32/int64/int8/uint8/bool/uint16 (into ints)
+// arrays; a 2-byte void array ('V2', how numpy saves ml_dtypes.bfloat16) reads as its uint16
+// bit patterns.
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path);
 absl::StatusOr<NpyArray> ParseNpy(const std::string& bytes, const std::string& what);
 

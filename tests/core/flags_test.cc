@@ -111,6 +111,16 @@ TEST(FlagsTest, RangesPortsPositionalArgumentsAndFlagFiles) {
               "--flagfile: cannot read " + path + ".missing");
   }
   std::remove(path.c_str());
+  {
+    Flags flags("usage: tool");
+    make(flags);
+    ::testing::internal::CaptureStdout();
+    const absl::Status help = ParseArgs(flags, {"tool", "--helpfull"});
+    const std::string out = ::testing::internal::GetCapturedStdout();
+    EXPECT_TRUE(absl::IsCancelled(help));
+    EXPECT_NE(out.find("--metrics-port"), std::string::npos) << out;
+    EXPECT_NE(out.find("[-1..65535]"), std::string::npos) << out;
+  }
 }
 
 }  // namespace

@@ -42,6 +42,18 @@ TEST(NpyTest, Float16Converted) {
   EXPECT_NEAR(read->data[2], 0.33325f, 1e-5);
 }
 
+TEST(NpyTest, TwoByteBitPatternsReadAsTheirUint16Values) {
+  // uint16, and 'V2' (how numpy saves ml_dtypes.bfloat16): the patterns, high bit included.
+  const uint16_t bits[3] = {0x3fc0, 0xc010, 0xffff};
+  for (const char* descr : {"<u2", "|V2", "<V2"}) {
+    auto read = ParseNpy(EncodeNpy(descr, {3}, bits, sizeof(bits)), "mem");
+    ASSERT_TRUE(read.ok()) << descr << ": " << read.status();
+    EXPECT_EQ(read->ints, (std::vector<int32_t>{0x3fc0, 0xc010, 0xffff})) << descr;
+    EXPECT_TRUE(read->data.empty());
+  }
+  EXPECT_FALSE(ParseNpy(EncodeNpy("<u2", {4}, bits, sizeof(bits)), "mem").ok());  // short payload
+}
+
 TEST(NpyTest, MalformedInputsAreErrors) {
   EXPECT_FALSE(ParseNpy("hello", "x").ok());
   const float one = 1.0f;

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/npy.h"
+#include "core/numerics.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/server/service_testing.h"
@@ -97,6 +98,28 @@ TEST_F(ClientCliServiceTest, ForwardRandomAndFloat64InputsMatchTheInProcessLayer
                                                " --output ", Path("y64.npy")));
   ASSERT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(ReadNpy(Path("y64.npy"))->data, reference_->Forward(x32));
+  // bf16 bit patterns, as uint16 or as ml_dtypes.bfloat16 saves them ('V2'), with --input-bf16.
+  std::vector<uint16_t> bits(x32.size());
+  std::vector<float> x_bf16(x32.size());
+  for (size_t i = 0; i < bits.size(); ++i) {
+    bits[i] = FloatToBf16Bits(x32[i]);
+    x_bf16[i] = Bf16BitsToFloat(bits[i]);
+  }
+  const std::vector<float> want_bf16 = reference_->Forward(x_bf16);
+  for (const char* descr : {"<u2", "<V2"}) {
+    SCOPED_TRACE(descr);
+    std::ofstream(Path("xb.npy"), std::ios::binary)
+        << EncodeNpy(descr, {3, hidden}, bits.data(), bits.size() * sizeof(uint16_t));
+    CliRun bf16 =
+        Cli(cluster, absl::StrCat("forward", L(), " --input ", Path("xb.npy"),
+                                  " --input-bf16 --dtype bf16 --output ", Path("yb.npy")));
+    ASSERT_EQ(bf16.exit_code, 0) << bf16.err;
+    EXPECT_EQ(ReadNpy(Path("yb.npy"))->data, want_bf16);
+    bf16 = Cli(cluster, absl::StrCat("forward", L(), " --input ", Path("xb.npy"), " --output ",
+                                     Path("yb.npy")));
+    EXPECT_EQ(bf16.exit_code, 1);
+    EXPECT_NE(bf16.err.find("give --input-bf16"), std::string::npos) << bf16.err;
+  }
   EXPECT_EQ(Cli(cluster, absl::StrCat("forward", L(), " --output ", Path("y.npy"))).exit_code, 2);
   EXPECT_EQ(Cli(cluster, absl::StrCat("forward", L(), " --random 2 --input ", Path("x64.npy"),
                                       " --output ", Path("y.npy")))
