@@ -15,6 +15,15 @@
 #include "core/version.h"
 
 namespace moe {
+namespace {
+
+// argv[0] without its directory: what errors and --version call the program.
+std::string ProgramName(int argc, char** argv) {
+  const std::string path = argc > 0 ? argv[0] : "moe";
+  return path.substr(path.find_last_of('/') + 1);
+}
+
+}  // namespace
 
 void Flags::String(const std::string& name, std::string* value, const std::string& help) {
   flags_[name] = {Kind::kString, value, help, *value};
@@ -81,8 +90,7 @@ absl::Status Flags::Assign(const std::string& name, Flag& flag, const std::strin
 }
 
 absl::Status Flags::Parse(int argc, char** argv, int first) {
-  std::string program = argc > 0 ? argv[0] : "moe";
-  program = program.substr(program.find_last_of('/') + 1);
+  const std::string program = ProgramName(argc, argv);
   std::vector<std::string> args(argv + std::min(first, argc), argv + argc);
   RETURN_IF_ERROR(ParseArgs(args, program, 0));
   for (const auto& name : required_)
@@ -170,8 +178,7 @@ void Flags::ParseOrExit(int argc, char** argv, int first) {
   absl::Status s = Parse(argc, argv, first);
   if (s.ok()) return;
   if (absl::IsCancelled(s)) std::exit(0);
-  std::string program = argc > 0 ? argv[0] : "moe";
-  program = program.substr(program.find_last_of('/') + 1);
+  const std::string program = ProgramName(argc, argv);
   std::fprintf(stderr, "%s: %s (see --help)\n", program.c_str(), std::string(s.message()).c_str());
   std::exit(2);
 }

@@ -8,12 +8,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "proto/tensor_codec.h"
 
 namespace moe {
 namespace {
 
 constexpr absl::string_view kModelPrefix = "moe-layer-";
 
+// The protocol's datatype names are moe.v1's (DTypeName): BF16, FP16, FP32.
 absl::StatusOr<moe::v1::DType> DTypeOfDatatype(absl::string_view datatype, absl::string_view what) {
   if (datatype == "BF16") return moe::v1::BF16;
   if (datatype == "FP16") return moe::v1::FP16;
@@ -21,17 +23,6 @@ absl::StatusOr<moe::v1::DType> DTypeOfDatatype(absl::string_view datatype, absl:
   return absl::InvalidArgumentError(absl::StrCat(what, ": datatype '",
                                                  absl::CEscape(datatype.substr(0, 32)),
                                                  "' is not served (BF16, FP16 or FP32)"));
-}
-
-const char* DatatypeOf(moe::v1::DType dtype) {
-  switch (dtype) {
-    case moe::v1::BF16:
-      return "BF16";
-    case moe::v1::FP16:
-      return "FP16";
-    default:
-      return "FP32";
-  }
 }
 
 // Values in the typed fields other than fp32_contents.
@@ -63,7 +54,7 @@ absl::StatusOr<std::string> InputBytes(const inference::ModelInferRequest& reque
   const auto& c = input.contents();
   if (dtype != moe::v1::FP32)
     return absl::InvalidArgumentError(absl::StrCat(
-        what, ": ", DatatypeOf(dtype),
+        what, ": ", DTypeName(dtype),
         " values travel in raw_input_contents (the protocol has no typed field for them)"));
   if (NonFp32Values(c) > 0)
     return absl::InvalidArgumentError(absl::StrCat(what, ": FP32 values go in fp32_contents"));
@@ -163,7 +154,7 @@ void ToModelInferResponse(const inference::ModelInferRequest& request, const KSe
     tensor->set_name(name);
     std::string* raw = response->add_raw_output_contents();
     if (name == kKServeOutput) {
-      tensor->set_datatype(DatatypeOf(output.dtype()));
+      tensor->set_datatype(DTypeName(output.dtype()));
       tensor->mutable_shape()->CopyFrom(output.shape());
       raw->swap(*output.mutable_data());  // the bytes move; the forward response is done with
     } else if (name == kKServeExpertIds) {

@@ -87,9 +87,14 @@ grpc::Status KServeServiceImpl::ModelInfer(grpc::ServerContext* context,
     status = RunForward(*gateway_, *context, call->forward, &forward, &queue);
     if (status.ok()) ToModelInferResponse(*request, *call, forward, response);
   }
-  const absl::StatusOr<int> layer = KServeModelLayer(request->model_name());
-  gateway_->metrics().OnRequest(layer.ok() ? *layer : -1, status.error_code(), absl::Now() - start,
-                                queue);
+  // The metrics label: the translated layer, else (refused early) whatever the name says.
+  int layer = -1;
+  if (call.ok()) {
+    layer = call->forward.layer();
+  } else if (absl::StatusOr<int> named = KServeModelLayer(request->model_name()); named.ok()) {
+    layer = *named;
+  }
+  gateway_->metrics().OnRequest(layer, status.error_code(), absl::Now() - start, queue);
   return status;
 }
 
