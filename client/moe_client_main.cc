@@ -134,7 +134,8 @@ std::string Bytes(int64_t bytes) {
 absl::StatusOr<NpyArray> ReadInput(const std::string& path, bool bf16 = false) {
   ASSIGN_OR_RETURN(NpyArray x, ReadNpy(path));
   const bool bits = x.descr == "<u2" || x.descr == "<V2" || x.descr == "|V2";
-  if (bf16 != bits)
+  const bool floats = x.descr == "<f4" || x.descr == "<f2" || x.descr == "<f8";
+  if (bf16 ? !bits : !floats)
     return absl::InvalidArgumentError(
         bf16 ? absl::StrCat(path, ": --input-bf16 needs a uint16 or bfloat16 (V2) array, got ",
                             x.descr)
@@ -146,9 +147,6 @@ absl::StatusOr<NpyArray> ReadInput(const std::string& path, bool bf16 = false) {
       x.data[i] = Bf16BitsToFloat(static_cast<uint16_t>(x.ints[i]));
     x.ints.clear();
   }
-  if (x.descr != "<f4" && x.descr != "<f2" && x.descr != "<f8" && !bits)
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": input must be float16, float32 or float64, got ", x.descr));
   if (x.shape.size() != 2 && x.shape.size() != 3)
     return absl::InvalidArgumentError(absl::StrCat(
         path, ": input must be [T, H] or [B, T, H], got ", x.shape.size(), " dimensions"));

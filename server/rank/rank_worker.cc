@@ -27,9 +27,8 @@ std::string Hostname() {
 }
 
 // Touches one byte per page of every expert tensor so the first steps do not pay the page
-// faults (and the shard's resident size is visible right after loading).
-// Touches every page of the experts (reads them from disk now, not in the first steps);
-// `done` hears of each matrix.
+// faults (and the shard's resident size is visible right after loading); `done` hears of each
+// tensor's bytes (load progress).
 void PrefaultWeights(const ExpertShardWeights& weights, const std::function<void(int64_t)>& done) {
   volatile uint8_t sink = 0;
   auto touch = [&](const void* data, int64_t bytes) {
