@@ -387,6 +387,8 @@ bool Cluster::WaitForExits(const std::vector<pid_t>& pids, absl::Time deadline) 
       return false;
     }
   }
+  // The last exits may have been reaped between the event that woke us and running()'s look.
+  ReportExits();
   return true;
 }
 
