@@ -27,7 +27,8 @@ using moe::testing::RunDot;
 using moe::testing::SameBits;
 
 const int64_t kWidths[] = {32, 64, 96, 200, 320, 1000, 3584, 4500};  // 3584, 4500: K-sliced paths
-const int64_t kWeightRows[] = {1, 6, 7, 13};  // every tail of 2-, 4- and 8-row tilings
+// Every tail of 2-, 4- and 8-row tilings; 37 crosses the fused paths' 16-row slice groups twice.
+const int64_t kWeightRows[] = {1, 6, 7, 13, 37};
 const int64_t kOperandRows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 31};
 
 class PortableDotTest : public ::testing::TestWithParam<std::tuple<WeightFormat, Precision>> {};
@@ -147,6 +148,29 @@ TEST_P(TierCodeTest, EveryFp8CodeExactInEveryPath) {
             << std::hex << int{codes[i]};
         ASSERT_TRUE(SameBits(y[i * 2], portable[i * 2]));
         ASSERT_TRUE(std::isnan(y[i * 2 + 1])) << "per call " << per_call << " row " << i;
+      }
+    }
+}
+
+// A NaN code early in a wide FP8 row poisons that row whatever the path: the fused paths cut K
+// into slices for more than one operand row and learn of the NaN in the first slice, long before
+// the row's last one. The rows beside it keep the portable bits.
+TEST_P(TierCodeTest, Fp8NanCodeInAnEarlySliceMakesItsRowNaN) {
+  const CpuTier* tier = GetParam();
+  MOE_SKIP_UNLESS_HOST_RUNS(tier);
+  const int64_t k = 3000, n = 3;
+  RandomWeight w(WeightFormat::kFP8Block128, n, k, 7);
+  w.data[1 * k + 5] = 0xFF;
+  for (Precision p : {Precision::kBF16, Precision::kFP32})
+    for (int64_t m = 1; m <= 9; ++m) {
+      const auto x = RandomActivations(m, k, static_cast<uint32_t>(m), p == Precision::kBF16);
+      const PackedRows packed = PackRows(x, m, k, w.view.format, p);
+      const auto want = RunDot(*PortableDotKernels(), packed, m, w.view, p);
+      const auto got = RunDot(*tier->kernels(), packed, m, w.view, p);
+      for (int64_t i = 0; i < m; ++i) {
+        EXPECT_TRUE(std::isnan(got[i * n + 1])) << moe::testing::PrecisionName(p) << " m=" << m;
+        EXPECT_TRUE(SameBits(got[i * n], want[i * n]) && SameBits(got[i * n + 2], want[i * n + 2]))
+            << moe::testing::PrecisionName(p) << " m=" << m << " operand row " << i;
       }
     }
 }
