@@ -29,6 +29,11 @@ void GrpcGatewayTransport::SetRankStateCallback(std::function<void(int, bool)> c
   on_rank_state_ = std::move(callback);
 }
 
+void GrpcGatewayTransport::SetDroppedResultCallback(std::function<void(int)> callback) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_dropped_result_ = std::move(callback);
+}
+
 bool GrpcGatewayTransport::UpLocked(int rank) const {
   // Down as soon as a reason is recorded: the moment its waiting steps fail, so the engine's
   // re-dispatch sees the same state.
@@ -118,16 +123,21 @@ absl::Status GrpcGatewayTransport::ServeRank(
       liveness.Heard();
       if (message.has_shards_loaded() && on_control) on_control(message);
       if (!message.has_result()) continue;
-      std::lock_guard<std::mutex> lock(mu_);
-      const uint64_t step = message.result().step_id();
-      // Only results for steps sent to this rank and still awaited are kept: anything else (a
-      // step given up on, or one never sent) would otherwise stay in memory for good.
-      if (sent_bytes_.count({step, rank}) == 0) {
-        ++dropped_results_;
-        continue;
+      std::function<void(int)> on_dropped;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        const uint64_t step = message.result().step_id();
+        // Only results for steps sent to this rank and still awaited are kept: anything else (a
+        // step given up on, or one never sent) would otherwise stay in memory for good.
+        if (sent_bytes_.count({step, rank}) == 0) {
+          ++dropped_results_;
+          on_dropped = on_dropped_result_;
+        } else {
+          results_[{step, rank}] = std::move(*message.mutable_result());
+          cv_.notify_all();
+        }
       }
-      results_[{step, rank}] = std::move(*message.mutable_result());
-      cv_.notify_all();
+      if (on_dropped) on_dropped(rank);
     }
   }
   // The stream ended: wait out any Write in progress, then mark the rank down.

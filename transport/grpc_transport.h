@@ -67,6 +67,8 @@ class GrpcGatewayTransport final : public GatewayTransport {
   int num_up() const;
   // Called (outside locks) whenever a rank goes up or down.
   void SetRankStateCallback(std::function<void(int rank, bool up)> callback);
+  // Called (outside locks) for every result dropped as not awaited, with the rank it came from.
+  void SetDroppedResultCallback(std::function<void(int rank)> callback);
 
  private:
   struct Channel {
@@ -92,6 +94,7 @@ class GrpcGatewayTransport final : public GatewayTransport {
   std::map<std::pair<uint64_t, int>, int64_t> sent_bytes_;
   int64_t dropped_results_ = 0;  // results for steps not awaited (guarded by mu_)
   std::function<void(int, bool)> on_rank_state_;
+  std::function<void(int)> on_dropped_result_;
   std::vector<uint8_t> staging_;  // device -> host copies of rows (GPU gateway)
   std::mutex staging_mu_;
 };

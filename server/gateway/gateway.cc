@@ -118,6 +118,8 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   gateway->session_ = NewSession();
   gateway->transport_->SetRankStateCallback(
       [g = gateway.get()](int rank, bool up) { g->OnRankState(rank, up); });
+  gateway->transport_->SetDroppedResultCallback(
+      [metrics = gateway->metrics_.get()](int rank) { metrics->OnDroppedResult(rank); });
   return gateway;
 }
 

@@ -108,6 +108,12 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
                          .Name("moe_transport_rank_to_gateway_bytes_total")
                          .Help("Bytes the gateway took off the wire from each rank (partial sums)")
                          .Register(*registry_);
+  dropped_results_ = &BuildCounter()
+                          .Name("moe_transport_dropped_results_total")
+                          .Help(
+                              "Results a rank sent for steps the gateway did not await (given up "
+                              "on, or never sent to it): dropped, never kept")
+                          .Register(*registry_);
   auth_failures_ = &BuildCounter()
                         .Name("moe_auth_failures_total")
                         .Help(
@@ -180,6 +186,7 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
     rank_up_->Add({{"rank", L(r)}}).Set(0);
     sent_bytes_->Add({{"rank", L(r)}});
     received_bytes_->Add({{"rank", L(r)}});
+    dropped_results_->Add({{"rank", L(r)}});
   }
   for (int layer : layers) {
     windows_[layer];
@@ -216,7 +223,7 @@ void GatewayMetrics::OnRequest(int layer, int grpc_code, absl::Duration latency,
   // The layer comes from the client: only served layers become label values, so no caller can
   // mint new series.
   if (served_layers_.count(layer) == 0) {
-    requests_->Add({{"layer", "unserved"}, {"code", GrpcCodeName(grpc_code)}}).Increment();
+    requests_->Add({{"layer", "invalid"}, {"code", GrpcCodeName(grpc_code)}}).Increment();
     return;
   }
   requests_->Add({{"layer", L(layer)}, {"code", GrpcCodeName(grpc_code)}}).Increment();
@@ -264,6 +271,10 @@ void GatewayMetrics::SetExpertsUnavailable(int experts) { experts_unavailable_->
 
 void GatewayMetrics::OnAuthFailure(const std::string& plane) {
   auth_failures_->Add({{"plane", plane}}).Increment();
+}
+
+void GatewayMetrics::OnDroppedResult(int rank) {
+  dropped_results_->Add({{"rank", L(rank)}}).Increment();
 }
 
 void GatewayMetrics::OnStep(const StepStats& s) {

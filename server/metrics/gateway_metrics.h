@@ -67,6 +67,8 @@ class GatewayMetrics final : public StepObserver {
   void OnPlacementChange(bool ok, absl::Duration took);
   // A call refused by AccessControl; plane: "control", "api" or "admin".
   void OnAuthFailure(const std::string& plane);
+  // A rank's result for a step the gateway no longer awaits (or never sent it), dropped.
+  void OnDroppedResult(int rank);
 
   LayerLoad Load(int layer) const;
 
@@ -106,6 +108,7 @@ class GatewayMetrics final : public StepObserver {
   prometheus::Family<prometheus::Counter>* sent_bytes_;
   prometheus::Family<prometheus::Counter>* received_bytes_;
   prometheus::Family<prometheus::Counter>* auth_failures_;
+  prometheus::Family<prometheus::Counter>* dropped_results_;
   prometheus::Gauge* experts_unavailable_;
   prometheus::Family<prometheus::Counter>* failovers_;
   prometheus::Family<prometheus::Counter>* redispatched_rows_;

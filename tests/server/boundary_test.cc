@@ -114,16 +114,18 @@ TEST(BoundaryTest, UnservedLayersMintNoMetricsSeries) {
   EXPECT_EQ(metrics.find("layer=\"77\""), std::string::npos);
   EXPECT_EQ(metrics.find("layer=\"1234567\""), std::string::npos);
   EXPECT_EQ(metrics.find("layer=\"-5\""), std::string::npos);
-  EXPECT_NE(metrics.find("layer=\"unserved\""), std::string::npos);
+  EXPECT_NE(metrics.find("layer=\"invalid\""), std::string::npos);
   EXPECT_NE(metrics.find("layer=\"1\""), std::string::npos);
   // Prometheus conventions: code names, the build, the process, requests in flight.
-  EXPECT_NE(metrics.find("moe_requests_total{code=\"NOT_FOUND\",layer=\"unserved\"} 3"),
+  EXPECT_NE(metrics.find("moe_requests_total{code=\"NOT_FOUND\",layer=\"invalid\"} 3"),
             std::string::npos)
       << metrics;
   EXPECT_NE(metrics.find("moe_requests_total{code=\"OK\",layer=\"1\"} 1"), std::string::npos);
   EXPECT_NE(metrics.find("moe_build_info{backend=\"cpu("), std::string::npos);
   EXPECT_NE(metrics.find("moe_requests_in_flight 0"), std::string::npos);
   EXPECT_NE(metrics.find("moe_queue_tokens 0"), std::string::npos);
+  // Results for steps the gateway did not await are counted per rank (none here).
+  EXPECT_NE(metrics.find("moe_transport_dropped_results_total{rank=\"1\"} 0"), std::string::npos);
   for (const char* family : {"process_cpu_seconds_total", "process_resident_memory_bytes",
                              "process_open_fds", "process_start_time_seconds"})
     EXPECT_NE(metrics.find(absl::StrCat("\n", family, " ")), std::string::npos) << family;

@@ -283,7 +283,7 @@ TEST_F(SecurityTest, ApiAndAdminTokensAreEnforcedAndHealthStaysOpen) {
   std::ofstream(dir + "/admin-token") << "admin-secret-2\n";
   ClusterOptions options = Options();
   options.gateway_args = {"--api-token-file", dir + "/api-token", "--admin-token-file",
-                          dir + "/admin-token"};
+                          dir + "/admin-token", "--allow-bias-override"};
   LocalCluster cluster(options);
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();  // health answers without a token
   auto channel = grpc::CreateChannel(cluster.target(), grpc::InsecureChannelCredentials());
@@ -308,6 +308,29 @@ TEST_F(SecurityTest, ApiAndAdminTokensAreEnforcedAndHealthStaysOpen) {
   EXPECT_EQ(load_balance("api-secret-1").error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(load_balance("").error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(load_balance("admin-secret-2").ok());
+  // Steering the router needs the admin token even with --allow-bias-override.
+  auto set_bias = [&](const std::string& token) {
+    grpc::ClientContext context;
+    AddBearerToken(&context, token);
+    moe::v1::SetRouterBiasRequest request;
+    request.set_layer(layer_);
+    request.mutable_bias()->Resize(reference_->config().routing.num_experts, 0.25f);
+    request.set_source("security_test");
+    moe::v1::SetRouterBiasResponse response;
+    return diagnostics->SetRouterBias(&context, request, &response);
+  };
+  EXPECT_EQ(set_bias("").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(set_bias("api-secret-1").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  const grpc::Status biased = set_bias("admin-secret-2");
+  EXPECT_TRUE(biased.ok()) << biased.error_message();
+  {  // back to the checkpoint's bias, so the outputs below are the reference's
+    grpc::ClientContext context;
+    AddBearerToken(&context, "admin-secret-2");
+    moe::v1::SetRouterBiasRequest request;
+    request.set_layer(layer_);
+    moe::v1::SetRouterBiasResponse response;
+    ASSERT_TRUE(diagnostics->SetRouterBias(&context, request, &response).ok());
+  }
 
   // The Open Inference Protocol: the same caller token for inference and metadata; its
   // liveness and readiness probes stay open, as health does.

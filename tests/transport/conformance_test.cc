@@ -519,6 +519,8 @@ TEST(GrpcTransportTest, ResultsForStepsNotAwaitedAreDroppedAndCounted) {
   Ranks ranks;
   GrpcHarness harness(ranks);
   const int layer = ranks.layers().front();
+  std::atomic<int> reported[3] = {0, 0, 0};  // what the gateway's metrics hear, per rank
+  harness.grpc_gateway().SetDroppedResultCallback([&](int rank) { reported[rank]++; });
   for (uint64_t stray = 1'000'000; stray < 1'000'100; ++stray) harness.SendStrayResult(1, stray);
   // An abandoned step's late result is dropped the same way.
   ranks.behavior(0).delay_ms = 300;
@@ -527,9 +529,14 @@ TEST(GrpcTransportTest, ResultsForStepsNotAwaitedAreDroppedAndCounted) {
             absl::StatusCode::kDeadlineExceeded);
   ranks.behavior(0).delay_ms = 0;
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (harness.grpc_gateway().dropped_results() < 101 && absl::Now() < deadline)
+  auto all_reported = [&] { return reported[0] + reported[1] + reported[2] >= 101; };
+  while ((harness.grpc_gateway().dropped_results() < 101 || !all_reported()) &&
+         absl::Now() < deadline)
     absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(harness.grpc_gateway().dropped_results(), 101);
+  EXPECT_EQ(reported[0].load(), 1);  // the abandoned step's late result
+  EXPECT_EQ(reported[1].load(), 100);
+  EXPECT_EQ(reported[2].load(), 0);
   auto next = MakeStep(ranks, layer, {0, 1, 2}, 42);
   EXPECT_TRUE(RunStep(harness.gateway(), ranks, *next).ok()) << "the stream is unharmed";
 }
