@@ -75,24 +75,41 @@ absl::StatusOr<ForwardResult> DecodeForwardResponse(const moe::v1::ForwardRespon
   return result;
 }
 
+namespace {
+
+// What is left of `timeout` since `start` (infinite stays infinite): a call's deadline also
+// covers the sizing before it.
+absl::Duration Left(absl::Time start, absl::Duration timeout) {
+  if (timeout == absl::InfiniteDuration()) return timeout;
+  return std::max(absl::ZeroDuration(), timeout - (absl::Now() - start));
+}
+
+}  // namespace
+
+int MessageLimit(const moe::v1::ModelInfo& info) {
+  // In double: a server's fields are not trusted to keep an int64 product from overflowing.
+  const double tokens = static_cast<double>(std::max<int64_t>(info.max_request_tokens(), 1));
+  const double hidden = static_cast<double>(std::max<int64_t>(info.hidden_size(), 0));
+  const double top_k = static_cast<double>(std::max<int32_t>(info.top_k(), 1));
+  const double bytes = tokens * hidden * 4 + tokens * top_k * 12 + (1 << 20);
+  if (bytes >= static_cast<double>(INT32_MAX)) return INT32_MAX;
+  return std::max(kMinMessageBytes, static_cast<int>(bytes));
+}
+
 // ---- MoeClient ---------------------------------------------------------------------------------
 
 MoeClient::MoeClient(std::string target, const ClientOptions& options,
-                     std::shared_ptr<grpc::Channel> channel)
+                     std::shared_ptr<Channel> channel)
     : target_(std::move(target)),
       options_(options),
       channel_(std::move(channel)),
-      stub_(moe::v1::MoeService::NewStub(channel_)),
-      diagnostics_(moe::v1::MoeDiagnostics::NewStub(channel_)) {}
+      sized_(options.max_message_bytes > 0) {}
 
-absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Connect(const std::string& target,
-                                                              const ClientOptions& options) {
-  if (target.empty()) return absl::InvalidArgumentError("empty target (want HOST:PORT)");
-  if (options.max_message_bytes <= 0)
-    return absl::InvalidArgumentError("max_message_bytes must be positive");
+absl::StatusOr<std::shared_ptr<MoeClient::Channel>> MoeClient::MakeChannel(
+    const std::string& target, const ClientOptions& options, int message_limit) {
   grpc::ChannelArguments args;
-  args.SetMaxSendMessageSize(options.max_message_bytes);
-  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(message_limit);
+  args.SetMaxReceiveMessageSize(message_limit);
   const int64_t backoff_ms = std::max<int64_t>(
       100, std::min<int64_t>(absl::ToInt64Milliseconds(options.max_reconnect_backoff), 120000));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(backoff_ms));
@@ -101,10 +118,49 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Connect(const std::string&
   AddTlsChannelArgs(options.tls, &args);
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    ChannelCredentials(options.tls));
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target, credentials, args);
-  if (channel == nullptr)
+  auto made = std::make_shared<Channel>();
+  made->channel = grpc::CreateCustomChannel(target, credentials, args);
+  if (made->channel == nullptr)
     return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to '", target, "'"));
+  made->stub = moe::v1::MoeService::NewStub(made->channel);
+  made->diagnostics = moe::v1::MoeDiagnostics::NewStub(made->channel);
+  made->message_limit = message_limit;
+  return made;
+}
+
+absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Connect(const std::string& target,
+                                                              const ClientOptions& options) {
+  if (target.empty()) return absl::InvalidArgumentError("empty target (want HOST:PORT)");
+  if (options.max_message_bytes < 0)
+    return absl::InvalidArgumentError(
+        "max_message_bytes must be positive (or 0: sized from the server)");
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<Channel> channel,
+      MakeChannel(target, options,
+                  options.max_message_bytes > 0 ? options.max_message_bytes : kMinMessageBytes));
   return std::unique_ptr<MoeClient>(new MoeClient(target, options, std::move(channel)));
+}
+
+std::shared_ptr<MoeClient::Channel> MoeClient::channel() const {
+  std::lock_guard<std::mutex> lock(channel_mu_);
+  return channel_;
+}
+
+int MoeClient::max_message_bytes() const { return channel()->message_limit; }
+
+absl::Status MoeClient::SizeFromServer(absl::Duration timeout) {
+  if (sized_.load(std::memory_order_acquire)) return absl::OkStatus();
+  std::lock_guard<std::mutex> size_lock(size_mu_);
+  if (sized_.load(std::memory_order_acquire)) return absl::OkStatus();
+  ASSIGN_OR_RETURN(moe::v1::ModelInfo info, GetModelInfo(timeout));
+  const int limit = MessageLimit(info);
+  if (limit > channel()->message_limit) {
+    ASSIGN_OR_RETURN(std::shared_ptr<Channel> larger, MakeChannel(target_, options_, limit));
+    std::lock_guard<std::mutex> lock(channel_mu_);
+    channel_ = std::move(larger);
+  }
+  sized_.store(true, std::memory_order_release);
+  return absl::OkStatus();
 }
 
 void MoeClient::Prepare(grpc::ClientContext* context, absl::Duration timeout) const {
@@ -116,10 +172,12 @@ void MoeClient::Prepare(grpc::ClientContext* context, absl::Duration timeout) co
 
 absl::StatusOr<moe::v1::ForwardResponse> MoeClient::ForwardRaw(
     const moe::v1::ForwardRequest& request, absl::Duration timeout) {
+  const absl::Time start = absl::Now();
+  RETURN_IF_ERROR(SizeFromServer(timeout));
   grpc::ClientContext context;
-  Prepare(&context, timeout);
+  Prepare(&context, Left(start, timeout));
   moe::v1::ForwardResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->Forward(&context, request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(channel()->stub->Forward(&context, request, &response)));
   return response;
 }
 
@@ -136,8 +194,8 @@ absl::StatusOr<moe::v1::ModelInfo> MoeClient::GetModelInfo(absl::Duration timeou
   grpc::ClientContext context;
   Prepare(&context, timeout);
   moe::v1::ModelInfo info;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->GetModelInfo(&context, moe::v1::GetModelInfoRequest(), &info)));
+  RETURN_IF_ERROR(FromGrpcStatus(
+      channel()->stub->GetModelInfo(&context, moe::v1::GetModelInfoRequest(), &info)));
   return info;
 }
 
@@ -150,7 +208,8 @@ absl::StatusOr<moe::v1::PlacementAdvice> MoeClient::GetPlacementAdvice(int layer
   request.set_layer(layer);
   request.set_redundant_experts(redundant_experts);
   moe::v1::PlacementAdvice advice;
-  RETURN_IF_ERROR(FromGrpcStatus(diagnostics_->GetPlacementAdvice(&context, request, &advice)));
+  RETURN_IF_ERROR(
+      FromGrpcStatus(channel()->diagnostics->GetPlacementAdvice(&context, request, &advice)));
   return advice;
 }
 
@@ -161,7 +220,8 @@ absl::StatusOr<moe::v1::LoadBalanceReport> MoeClient::GetLoadBalance(int layer,
   moe::v1::GetLoadBalanceRequest request;
   request.set_layer(layer);
   moe::v1::LoadBalanceReport report;
-  RETURN_IF_ERROR(FromGrpcStatus(diagnostics_->GetLoadBalance(&context, request, &report)));
+  RETURN_IF_ERROR(
+      FromGrpcStatus(channel()->diagnostics->GetLoadBalance(&context, request, &report)));
   return report;
 }
 
@@ -174,7 +234,8 @@ absl::StatusOr<moe::v1::SetRouterBiasResponse> MoeClient::SetRouterBias(
   request.mutable_bias()->Add(bias.begin(), bias.end());
   request.set_source(source);
   moe::v1::SetRouterBiasResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(diagnostics_->SetRouterBias(&context, request, &response)));
+  RETURN_IF_ERROR(
+      FromGrpcStatus(channel()->diagnostics->SetRouterBias(&context, request, &response)));
   return response;
 }
 
@@ -186,7 +247,8 @@ absl::StatusOr<moe::v1::ApplyPlacementResponse> MoeClient::ApplyPlacement(
   request.set_placement(placement);
   request.set_source(source);
   moe::v1::ApplyPlacementResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(diagnostics_->ApplyPlacement(&context, request, &response)));
+  RETURN_IF_ERROR(
+      FromGrpcStatus(channel()->diagnostics->ApplyPlacement(&context, request, &response)));
   return response;
 }
 
@@ -196,7 +258,7 @@ absl::StatusOr<bool> MoeClient::IsServing(const std::string& service, absl::Dura
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  auto stub = grpc::health::v1::Health::NewStub(channel()->channel);
   RETURN_IF_ERROR(FromGrpcStatus(stub->Check(&context, request, &response)));
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
@@ -204,7 +266,7 @@ absl::StatusOr<bool> MoeClient::IsServing(const std::string& service, absl::Dura
 absl::Status MoeClient::WaitUntilServing(absl::Duration timeout, const std::string& service) {
   const absl::Time deadline = absl::Now() + timeout;
   std::string last = "no answer";
-  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  auto stub = grpc::health::v1::Health::NewStub(channel()->channel);
   for (;;) {
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) break;
@@ -234,8 +296,10 @@ absl::Status MoeClient::WaitUntilServing(absl::Duration timeout, const std::stri
 
 absl::StatusOr<std::unique_ptr<ForwardStreamSession>> MoeClient::OpenStream(
     absl::Duration timeout) {
-  return std::unique_ptr<ForwardStreamSession>(
-      new ForwardStreamSession(channel_, timeout, options_.wait_for_ready, options_.token));
+  const absl::Time start = absl::Now();
+  RETURN_IF_ERROR(SizeFromServer(timeout));
+  return std::unique_ptr<ForwardStreamSession>(new ForwardStreamSession(
+      channel()->channel, Left(start, timeout), options_.wait_for_ready, options_.token));
 }
 
 // ---- ForwardStreamSession ---------------------------------------------------------------------

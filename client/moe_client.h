@@ -7,6 +7,7 @@
 // own context. gRPC errors come back as absl::Status with the same code and message.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -28,9 +29,20 @@
 
 namespace moe {
 
+// gRPC's own default receive limit, and the least a client sized from the server uses.
+constexpr int kMinMessageBytes = 4 << 20;
+
+// The largest message the server's limits imply, as the Python client computes it
+// (moe_serve.message_limit): a response to its largest request, max_request_tokens fp32 rows of
+// the hidden size, its routing (12 bytes per choice) and 1 MiB of framing; at least
+// kMinMessageBytes (so diagnostics and small models keep gRPC's default), at most INT32_MAX.
+int MessageLimit(const moe::v1::ModelInfo& info);
+
 struct ClientOptions {
-  // Largest message either way. 1 GiB: a K3 batch of 8192 tokens x 7168 fp32 is 224 MiB.
-  int max_message_bytes = 1 << 30;
+  // Largest message either way. 0: sized from the server's GetModelInfo before the first
+  // Forward or stream (MessageLimit; kMinMessageBytes until then), so a batch as large as the
+  // server takes is one the client can receive. > 0: exactly this, the server not asked.
+  int max_message_bytes = 0;
   // Calls wait for the channel to connect (up to their deadline) instead of failing fast with
   // UNAVAILABLE while the server is down.
   bool wait_for_ready = false;
@@ -141,17 +153,35 @@ class MoeClient {
       absl::Duration timeout = absl::InfiniteDuration());
 
   const std::string& target() const { return target_; }
+  // The message limit of the channel in use (both directions): options.max_message_bytes when
+  // set, else kMinMessageBytes until sized from the server, then MessageLimit(its info).
+  int max_message_bytes() const;
 
  private:
-  MoeClient(std::string target, const ClientOptions& options,
-            std::shared_ptr<grpc::Channel> channel);
+  // One channel and its stubs. Replaced by a larger one once sized; calls and streams still on
+  // the old one keep it alive through their shared_ptr.
+  struct Channel {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<moe::v1::MoeService::Stub> stub;
+    std::unique_ptr<moe::v1::MoeDiagnostics::Stub> diagnostics;
+    int message_limit = 0;
+  };
+  MoeClient(std::string target, const ClientOptions& options, std::shared_ptr<Channel> channel);
+  static absl::StatusOr<std::shared_ptr<Channel>> MakeChannel(const std::string& target,
+                                                              const ClientOptions& options,
+                                                              int message_limit);
+  std::shared_ptr<Channel> channel() const;
+  // With max_message_bytes 0, asks GetModelInfo once (within `timeout`) and moves to a channel
+  // of MessageLimit(info) when that is larger. Its error, when it fails (asked again next time).
+  absl::Status SizeFromServer(absl::Duration timeout);
   void Prepare(grpc::ClientContext* context, absl::Duration timeout) const;
 
   std::string target_;
   ClientOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<moe::v1::MoeService::Stub> stub_;
-  std::unique_ptr<moe::v1::MoeDiagnostics::Stub> diagnostics_;
+  mutable std::mutex channel_mu_;
+  std::shared_ptr<Channel> channel_;  // guarded by channel_mu_
+  std::mutex size_mu_;                // held while sizing: one GetModelInfo for all callers
+  std::atomic<bool> sized_{false};
 };
 
 // Many requests on one ForwardStream. The server serves them concurrently and answers in any

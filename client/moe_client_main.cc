@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -76,6 +77,10 @@ struct Connection {
     flags.String("token-file", &token_file,
                  "send its token as `authorization: Bearer` (the gateway's --api-token-file, or "
                  "--admin-token-file for diagnostics)");
+    flags.Int("max-message-bytes", &options.max_message_bytes,
+              "largest message either way (0: what the server's GetModelInfo implies, at least "
+              "4 MiB)");
+    flags.Range("max-message-bytes", 0, INT32_MAX);
   }
   // The options, with the token read; errors are usage errors (exit 2).
   absl::StatusOr<ClientOptions> Resolve() const {

@@ -1,5 +1,6 @@
 #include "tests/client/fake_moe_service.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -46,6 +47,7 @@ class FakeMoeService final : public moe::v1::MoeService::Service {
 
   grpc::Status GetModelInfo(grpc::ServerContext*, const moe::v1::GetModelInfoRequest*,
                             moe::v1::ModelInfo* info) override {
+    model_info_calls_++;
     info->set_family("kimi_k3");
     info->set_model_type("kimi_k3");
     for (int layer : {1, 2, 3}) info->add_layers(layer);
@@ -60,7 +62,7 @@ class FakeMoeService final : public moe::v1::MoeService::Service {
     info->set_precision("bf16");
     info->set_transport("grpc");
     info->set_max_tokens_per_step(4096);
-    info->set_max_request_tokens(1024);
+    info->set_max_request_tokens(max_request_tokens_.load());
     info->set_checkpoint("/fake/checkpoint");
     for (int r = 0; r < 2; ++r) {
       moe::v1::RankInfo* rank = info->add_ranks();
@@ -77,6 +79,9 @@ class FakeMoeService final : public moe::v1::MoeService::Service {
     bias->set_installed_at("2025-01-01T00:00:00Z");
     return grpc::Status::OK;
   }
+
+  void SetMaxRequestTokens(int64_t tokens) { max_request_tokens_ = tokens; }
+  int64_t model_info_calls() const { return model_info_calls_; }
 
   void ReleaseHeld() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -164,6 +169,8 @@ class FakeMoeService final : public moe::v1::MoeService::Service {
   std::condition_variable cv_;
   bool released_ = false;
   std::map<int, int64_t> calls_;
+  std::atomic<int64_t> max_request_tokens_{1024};
+  std::atomic<int64_t> model_info_calls_{0};
 };
 
 std::unique_ptr<FakeMoeServer> FakeMoeServer::Start() {
@@ -198,6 +205,8 @@ void FakeMoeServer::SetServing(bool serving) {
 }
 
 void FakeMoeServer::ReleaseHeld() { service_->ReleaseHeld(); }
+void FakeMoeServer::SetMaxRequestTokens(int64_t tokens) { service_->SetMaxRequestTokens(tokens); }
+int64_t FakeMoeServer::model_info_calls() const { return service_->model_info_calls(); }
 int64_t FakeMoeServer::calls(int layer) const { return service_->calls(layer); }
 int64_t FakeMoeServer::total_calls() const { return service_->total_calls(); }
 

@@ -49,6 +49,10 @@ class FakeMoeServer {
   void SetServing(bool serving);
   // Lets requests for kHeldLayer through.
   void ReleaseHeld();
+  // What GetModelInfo reports as max_request_tokens (1024 unless set).
+  void SetMaxRequestTokens(int64_t tokens);
+  // GetModelInfo calls that reached the service.
+  int64_t model_info_calls() const;
   // Forward requests that reached the service (unary and stream), by layer.
   int64_t calls(int layer) const;
   int64_t total_calls() const;

@@ -126,6 +126,25 @@ TEST_F(MoeClientCliTest, ForwardFloat16InputOverBf16) {
   }
 }
 
+// A response over gRPC's default 4 MiB to a request under it: moe-client takes it, sized from
+// the server's GetModelInfo, unless --max-message-bytes holds it to 4 MiB.
+TEST_F(MoeClientCliTest, ForwardReceiveLimitFollowsTheServer) {
+  server_->SetMaxRequestTokens(int64_t{1} << 18);
+  const std::string args =
+      absl::StrCat("forward ", Target(), " --layer 1 --random 160000 --dtype bf16 ",
+                   "--output-dtype fp32 --output ", Path("y.npy"));
+  CliRun run = Cli(args);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  auto y = ReadNpy(Path("y.npy"));
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->shape, (std::vector<int64_t>{160000, FakeMoeServer::kHidden}));
+  run = Cli(args + " --max-message-bytes 4194304");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_NE(run.err.find("RESOURCE_EXHAUSTED"), std::string::npos) << run.err;
+  EXPECT_EQ(server_->calls(1), 2);  // the server answered both
+  EXPECT_EQ(Cli(args + " --max-message-bytes -1").exit_code, 2);
+}
+
 TEST_F(MoeClientCliTest, ForwardErrorsAndUsage) {
   const std::vector<float> x = Input(FakeMoeServer::kHidden);
   ASSERT_TRUE(WriteNpyFloat32(Path("x.npy"), {1, FakeMoeServer::kHidden}, x.data()).ok());

@@ -177,6 +177,91 @@ TEST_F(MoeClientTest, ModelInfo) {
   EXPECT_EQ(info->ranks_size(), 2);
 }
 
+TEST(MessageLimitTest, FollowsTheModelWithAFloor) {
+  moe::v1::ModelInfo info;
+  // K3 at the gateway's defaults: 4096 fp32 rows of 7168, top-16 routing, 1 MiB of framing.
+  info.set_max_request_tokens(4096);
+  info.set_hidden_size(7168);
+  info.set_top_k(16);
+  EXPECT_EQ(MessageLimit(info), 4096 * 7168 * 4 + 4096 * 16 * 12 + (1 << 20));
+  info.set_max_request_tokens(8192);
+  EXPECT_EQ(MessageLimit(info), 8192 * 7168 * 4 + 8192 * 16 * 12 + (1 << 20));
+  // A small model (or an empty answer) keeps gRPC's default; absurd limits stop at INT32_MAX.
+  info.set_hidden_size(8);
+  EXPECT_EQ(MessageLimit(info), kMinMessageBytes);
+  EXPECT_EQ(MessageLimit(moe::v1::ModelInfo()), kMinMessageBytes);
+  info.set_hidden_size(int64_t{1} << 40);
+  info.set_max_request_tokens(int64_t{1} << 40);
+  EXPECT_EQ(MessageLimit(info), INT32_MAX);
+}
+
+// A response over gRPC's default 4 MiB to a request under it (bf16 in, fp32 out): what a
+// default channel fails to receive after the server did the work.
+constexpr int64_t kLargeTokens = 160000;  // 2.56 MB in, 5.12 MB out (and routing)
+
+TEST_F(MoeClientTest, MessageLimitSizedFromTheServersModelInfo) {
+  EXPECT_EQ(client_->max_message_bytes(), kMinMessageBytes);  // nothing asked yet
+  EXPECT_EQ(server_->model_info_calls(), 0);
+  server_->SetMaxRequestTokens(int64_t{1} << 18);
+  const std::vector<float> x = Input(kLargeTokens * FakeMoeServer::kHidden);
+  ForwardOptions options;
+  options.dtype = moe::v1::BF16;
+  options.output_dtype = moe::v1::FP32;
+  options.return_routing = true;
+  auto y = client_->Forward(1, {kLargeTokens, FakeMoeServer::kHidden}, x.data(), options);
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->values.size(), x.size());
+  EXPECT_EQ(y->values.back(), Expected({x.back()}, 1, moe::v1::BF16, moe::v1::FP32)[0]);
+  EXPECT_EQ(y->routing.expert_ids.size(), static_cast<size_t>(kLargeTokens * 2));
+  // The limit is the one the server's info implies, asked once.
+  auto info = client_->GetModelInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(client_->max_message_bytes(), MessageLimit(*info));
+  EXPECT_EQ(client_->max_message_bytes(), (1 << 18) * FakeMoeServer::kHidden * 4 +
+                                              (1 << 18) * FakeMoeServer::kTopK * 12 + (1 << 20));
+  EXPECT_EQ(server_->model_info_calls(), 2);  // the sizing and the call above
+  ASSERT_TRUE(client_->Forward(2, {1, FakeMoeServer::kHidden}, x.data(), options).ok());
+  auto opened = client_->OpenStream();
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  auto id = (*opened)->Send(3, {kLargeTokens, FakeMoeServer::kHidden}, x.data(), options);
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto streamed = (*opened)->Receive(*id, absl::Seconds(60));
+  ASSERT_TRUE(streamed.ok()) << streamed.status();
+  EXPECT_EQ(streamed->values.size(), x.size());
+  EXPECT_TRUE((*opened)->Finish().ok());
+  EXPECT_EQ(server_->model_info_calls(), 2);  // not asked again
+}
+
+TEST_F(MoeClientTest, MessageLimitNeverBelowTheFloor) {
+  // The fake's 1024 rows of 8 need 1.1 MiB: the client keeps gRPC's 4 MiB.
+  const std::vector<float> x = Input(FakeMoeServer::kHidden);
+  ASSERT_TRUE(client_->Forward(1, {1, FakeMoeServer::kHidden}, x.data(), ForwardOptions{}).ok());
+  EXPECT_EQ(server_->model_info_calls(), 1);
+  EXPECT_EQ(client_->max_message_bytes(), kMinMessageBytes);
+}
+
+TEST_F(MoeClientTest, ExplicitMessageLimitIsKept) {
+  server_->SetMaxRequestTokens(int64_t{1} << 18);
+  ClientOptions fixed;
+  fixed.max_message_bytes = kMinMessageBytes;
+  auto client = MoeClient::Connect(server_->target(), fixed);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const std::vector<float> x = Input(kLargeTokens * FakeMoeServer::kHidden);
+  ForwardOptions options;
+  options.dtype = moe::v1::BF16;
+  options.output_dtype = moe::v1::FP32;
+  auto y = (*client)->Forward(1, {kLargeTokens, FakeMoeServer::kHidden}, x.data(), options);
+  // The server answered; the client refused the answer, as a default gRPC channel does.
+  EXPECT_EQ(y.status().code(), absl::StatusCode::kResourceExhausted) << y.status();
+  EXPECT_EQ(server_->calls(1), 1);
+  EXPECT_EQ(server_->model_info_calls(), 0);
+  EXPECT_EQ((*client)->max_message_bytes(), kMinMessageBytes);
+  ClientOptions negative;
+  negative.max_message_bytes = -1;
+  EXPECT_EQ(MoeClient::Connect(server_->target(), negative).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(MoeClientTest, Health) {
   EXPECT_EQ(client_->IsServing().value(), true);
   EXPECT_EQ(client_->IsServing("moe.v1.MoeService").value(), true);
