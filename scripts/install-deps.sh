@@ -22,8 +22,8 @@ PACKAGES=(
   python3-venv python3-setuptools python3-wheel libb64-0d
   # observability and deployment checks
   prometheus yamllint docker-compose python3-yaml
-  # tooling
-  clang-format curl procps
+  # tooling; clang and its sanitizer/libFuzzer runtimes for the coverage-guided fuzzing stage
+  clang-format curl procps clang libclang-rt-14-dev
 )
 
 missing=()

@@ -5,7 +5,8 @@
 #                              sanitizer builds (ASan/UBSan on the unit tests, TSan on the
 #                              concurrent parts)
 #   MOE_TEST_SLOW=1 scripts/test.sh   also the `slow` label (full-size, long multi-process runs)
-#   MOE_TEST_SANITIZERS=0 ...          skip the sanitizer builds
+#   MOE_TEST_SANITIZERS=0 ...          skip the sanitizer builds (and the fuzzing stage)
+#   MOE_TEST_FUZZ_SECONDS=N ...        libFuzzer time per target (default 10; 0 skips the stage)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,5 +34,24 @@ if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ]; then
   cmake --build build-tsan -j"$jobs" --target moe-tests-concurrency
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
     ctest --test-dir build-tsan -L "concurrency" --output-on-failure -j"$jobs"
+fi
+fuzz_seconds="${MOE_TEST_FUZZ_SECONDS:-10}"
+if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ] && [ "$fuzz_seconds" != "0" ]; then
+  # Coverage-guided fuzzing of the parsers of untrusted bytes (docs/FUZZING.md) for a bounded
+  # time per target, two at a time: clang + libFuzzer + ASan/UBSan, only the fuzz targets built.
+  # New inputs go to a scratch corpus; a crash fails the stage and leaves its input in build-fuzz/.
+  echo "== libFuzzer (clang, ASan + UBSan): $fuzz_seconds s per target"
+  targets=(npy safetensors index config request kserve step)
+  cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_ENABLE_CUDA=OFF \
+    -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DMOE_FUZZ=ON >/dev/null
+  cmake --build build-fuzz -j"$jobs" --target "${targets[@]/#/fuzz_}"
+  printf '%s\n' "${targets[@]}" | xargs -P "$jobs" -I{} bash -c '
+    mkdir -p build-fuzz/found/{}
+    if build-fuzz/bin/fuzz_{} build-fuzz/found/{} tests/fuzz/corpus/{} -max_total_time='"$fuzz_seconds"' \
+         -rss_limit_mb=2048 -artifact_prefix=build-fuzz/crash-{}- >build-fuzz/fuzz_{}.log 2>&1; then
+      echo "fuzz_{}: $(grep -o "Done [0-9]* runs in [0-9]* second(s)" build-fuzz/fuzz_{}.log), nothing found"
+    else
+      tail -40 build-fuzz/fuzz_{}.log; echo "fuzz_{}: FAILED (input: build-fuzz/crash-{}-*)"; exit 255
+    fi'
 fi
 echo "== all tests passed"
