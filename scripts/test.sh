@@ -12,24 +12,27 @@ cd "$(dirname "$0")/.."
 
 bash scripts/install-deps.sh
 jobs=$(nproc)
+started=$SECONDS
+# A stage's heading, with the minutes spent so far (CI time is a budget).
+stage() { echo "== $* (at $(((SECONDS - started) / 60)) min)"; }
 
-echo "== release build"
+stage "release build"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
 
 labels_exclude="slow"
 [ "${MOE_TEST_SLOW:-0}" = "1" ] && labels_exclude="^$"
-echo "== tests (excluding label: $labels_exclude)"
+stage "tests (excluding label: $labels_exclude)"
 ctest --test-dir build -LE "$labels_exclude" --output-on-failure -j"$jobs" --timeout 1500
 
 if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ]; then
-  echo "== ASan + UBSan build (unit tests, and the trust-boundary tests' gateway and ranks)"
+  stage "ASan + UBSan build (unit tests, and the trust-boundary tests' gateway and ranks)"
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_SANITIZE=ON >/dev/null
   cmake --build build-asan -j"$jobs" --target moe-tests-unit moe-tests-asan-e2e
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan -L "unit|asan-e2e" --output-on-failure -j"$jobs"
 
-  echo "== TSan build (concurrent parts)"
+  stage "TSan build (concurrent parts)"
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_TSAN=ON >/dev/null
   cmake --build build-tsan -j"$jobs" --target moe-tests-concurrency
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
@@ -40,7 +43,7 @@ if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ] && [ "$fuzz_seconds" != "0" ]; then
   # Coverage-guided fuzzing of the parsers of untrusted bytes (docs/FUZZING.md) for a bounded
   # time per target, two at a time: clang + libFuzzer + ASan/UBSan, only the fuzz targets built.
   # New inputs go to a scratch corpus; a crash fails the stage and leaves its input in build-fuzz/.
-  echo "== libFuzzer (clang, ASan + UBSan): $fuzz_seconds s per target"
+  stage "libFuzzer (clang, ASan + UBSan): $fuzz_seconds s per target"
   targets=(npy safetensors index config request kserve step)
   cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_ENABLE_CUDA=OFF \
     -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DMOE_FUZZ=ON >/dev/null
@@ -54,4 +57,4 @@ if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ] && [ "$fuzz_seconds" != "0" ]; then
       tail -40 build-fuzz/fuzz_{}.log; echo "fuzz_{}: FAILED (input: build-fuzz/crash-{}-*)"; exit 255
     fi'
 fi
-echo "== all tests passed"
+stage "all tests passed"
