@@ -1,6 +1,7 @@
 // Load-balance observability end to end: a real Prometheus server scrapes a running cluster,
 // Quantile Balancing diagnostics on a skewed router, and an EPLB placement that improves the
-// measured balance while the outputs stay identical.
+// measured balance while the outputs stay identical. And a rank's load progress: its gauge and
+// its log lines.
 #include <unistd.h>
 
 #include <cmath>
@@ -9,10 +10,12 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <regex>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/tiers.h"
@@ -302,6 +305,56 @@ TEST(ObservabilityTest, SkewedRouterQuantileBalancingAndEplbPlacement) {
   RecordProperty("observed", absl::StrCat(observed));
   RecordProperty("qb_predicted", absl::StrCat(predicted));
   RecordProperty("eplb_placed", absl::StrCat(placed_rank_balance));
+}
+
+// The samples of `name` in Prometheus text: labels ("" or "{...}") -> value as written.
+std::map<std::string, std::string> Samples(const std::string& text, const std::string& name) {
+  std::map<std::string, std::string> samples;
+  const std::regex sample("^" + name + R"((\{[^}]*\})? (\S+)$)");
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    std::smatch m;
+    const std::string l(line);
+    if (std::regex_match(l, m, sample)) samples[m[1]] = m[2];
+  }
+  return samples;
+}
+
+// A rank's load reports progress on a real process: moe_load_progress_ratio is 1 once it has
+// loaded, under its own rank label (nothing left of the unlabeled series it had before it
+// registered), and its log has the load's closing progress line before the ready line.
+TEST(ObservabilityTest, RankLoadProgressGaugeAndLogLines) {
+  ClusterOptions options{TestCheckpoint("k3-mini"), 2};
+  options.metrics = true;
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  for (int r = 0; r < 2; ++r) {
+    const std::string ready = cluster.rank(r).WaitForLog("ready in", absl::Seconds(30));
+    ASSERT_FALSE(ready.empty()) << cluster.rank(r).Log();
+    EXPECT_TRUE(std::regex_search(
+        ready, std::regex(absl::StrCat("^moe-rank ", r,
+                                       ": 2 layers, 32 experts each, [0-9.]+ GB of weights, "
+                                       "backend .+, ready in [0-9.]+ s$"))))
+        << ready;
+    const std::string log = cluster.rank(r).Log();
+    std::smatch loaded;
+    ASSERT_TRUE(std::regex_search(
+        log, loaded,
+        std::regex(absl::StrCat(
+            "(^|\n)moe-rank ", r,
+            R"(: loading experts: [0-9.]+ (kB|MB|GB) in [0-9.]+ s \([0-9.]+ (kB|MB|GB)/s\)\n)"))))
+        << log;
+    EXPECT_LT(static_cast<size_t>(loaded.position(0)), log.find(ready)) << log;
+
+    int rc = -1;
+    const std::string metrics =
+        Shell(absl::StrCat("curl -s --max-time 5 http://127.0.0.1:", cluster.rank_metrics_port(r),
+                           "/metrics"),
+              &rc);
+    ASSERT_EQ(rc, 0) << metrics;
+    EXPECT_NE(metrics.find("# TYPE moe_load_progress_ratio gauge"), std::string::npos) << metrics;
+    const std::map<std::string, std::string> want = {{absl::StrCat("{rank=\"", r, "\"}"), "1"}};
+    EXPECT_EQ(Samples(metrics, "moe_load_progress_ratio"), want) << metrics;
+  }
 }
 
 }  // namespace
