@@ -44,9 +44,15 @@ absl::StatusOr<std::unique_ptr<LocalMoeLayer>> LocalMoeLayer::Load(const Checkpo
 
 absl::Status LocalMoeLayer::Forward(const float* x, int64_t tokens, Precision p, float* out,
                                     Routing* routing, LayerTimings* timings) {
+  // The offline callers (moe-forward's .npy, tests) hold fp32: converted once at this edge (to
+  // bf16 by rounding, as the layer's contract defines its input) and back.
+  const int64_t H = engine_->config().hidden_size;
+  const ActivationRows input = ActivationRows::FromFloats(p, x, tokens, H);
+  ActivationRows output;
   StepStats stats;
   RETURN_IF_ERROR(
-      engine_->RunStep(layer_, p, x, tokens, absl::InfiniteFuture(), out, routing, &stats));
+      engine_->RunStep(layer_, input, absl::InfiniteFuture(), &output, routing, &stats));
+  for (int64_t i = 0; i < tokens * H; ++i) out[i] = output.Value(i);
   // Loopback computes the shards inside Collect, after the shared experts.
   if (timings != nullptr)
     *timings = {stats.route, stats.dispatch + stats.expert_compute - stats.shared, stats.shared,

@@ -128,9 +128,14 @@ absl::Status StepEngine::SetRouterBias(int layer, std::vector<float> bias) {
   return absl::OkStatus();
 }
 
-absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x, int64_t tokens,
-                                 absl::Time deadline, float* out, Routing* routing_out,
-                                 StepStats* stats_out, UnservedTokens* unserved) {
+absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time deadline,
+                                 ActivationRows* out, Routing* routing_out, StepStats* stats_out,
+                                 UnservedTokens* unserved) {
+  const Precision precision = x.precision();
+  const int64_t tokens = x.rows();
+  if (x.cols() != config_.hidden_size)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step input has ", x.cols(), " columns, the hidden size is ", config_.hidden_size));
   auto it = layers_.find(layer);
   if (it == layers_.end())
     return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
@@ -156,9 +161,9 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
   stats.step_id = next_step_id_.fetch_add(1);
 
   // Route and project.
+  // bf16 rows are the layer's input as DESIGN.md defines it (x is bf16): nothing to round.
   ASSIGN_OR_RETURN(MatrixView input, ws.Matrix(kInput, tokens, H));
-  RETURN_IF_ERROR(backend_->CopyToBackend(input.data, x, tokens * H * sizeof(float)));
-  RETURN_IF_ERROR(RoundInput(backend_, input, precision));
+  RETURN_IF_ERROR(backend_->UploadRows(x, input));
   Routing routing;
   std::vector<float> scores;
   const bool want_scores = observer_ != nullptr && observer_->WantsRouterScores();
@@ -261,16 +266,16 @@ absl::Status StepEngine::RunStep(int layer, Precision precision, const float* x,
 
   ASSIGN_OR_RETURN(MatrixView output, ws.Matrix(kOutput, tokens, H));
   RETURN_IF_ERROR(state.math->Finish(combined, shared, precision, output));
-  RETURN_IF_ERROR(backend_->CopyToHost(out, output.data, tokens * H * sizeof(float)));
+  RETURN_IF_ERROR(backend_->DownloadRows(output, precision, out));
   if (unserved != nullptr) {
     // Rows without their routed experts are no results: zeroed, so none can pass for one.
     unserved->tokens = plan.unserved_tokens;
     unserved->status = plan.UnavailableStatus();
-    for (int64_t t : plan.unserved_tokens) std::fill(out + t * H, out + (t + 1) * H, 0.0f);
+    for (int64_t t : plan.unserved_tokens) out->ZeroRows(t, 1);
   }
   // Inputs are finite (validated), so a NaN or Inf here is a fault (bad weights, a faulty or
   // hostile rank, a kernel bug): never answered as OK. One pass over the output, beside a step.
-  if (const int64_t at = FirstNonFinite(out, tokens * H); at >= 0) {
+  if (const int64_t at = out->FirstNonFinite(); at >= 0) {
     const std::string culprit =
         bad_rank >= 0 ? absl::StrCat("rank ", bad_rank, " returned non-finite partial sums")
                       : "no rank's partial sums were non-finite: the gateway's own part "

@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/activations.h"
 #include "core/progress.h"
 #include "kernels/backend.h"
 #include "model/checkpoint.h"
@@ -102,18 +103,15 @@ class StepEngine {
   absl::Status SetRouterBias(int layer, std::vector<float> bias);
   void SetObserver(StepObserver* observer) { observer_ = observer; }
 
-  // One step over host arrays x, out: [tokens, H], in the engine's precision. Thread-safe;
-  // steps of one layer run one at a time, steps of different layers may overlap.
-  absl::Status RunStep(int layer, const float* x, int64_t tokens, absl::Time deadline, float* out,
-                       Routing* routing) {
-    return RunStep(layer, precision_, x, tokens, deadline, out, routing);
-  }
-  // The same in precision `p`; `stats` (optional) receives the step's figures (its routing and
-  // score pointers are cleared: they do not outlive the step). With `unserved`, tokens that chose
-  // an expert without a live replica are left out and listed there, and the step serves the
-  // others (it fails only when it can serve none); without, the step fails UNAVAILABLE.
-  absl::Status RunStep(int layer, Precision p, const float* x, int64_t tokens, absl::Time deadline,
-                       float* out, Routing* routing, StepStats* stats = nullptr,
+  // One step over host rows x: [tokens, H], in their precision (bf16 bits in bf16 mode, the
+  // service's; fp32 only in the fp32 exactness mode). `out` gets [tokens, H] in the same
+  // precision. Thread-safe; steps of one layer run one at a time, steps of different layers may
+  // overlap. `stats` (optional) receives the step's figures (its routing and score pointers are
+  // cleared: they do not outlive the step). With `unserved`, tokens that chose an expert without
+  // a live replica are left out and listed there, and the step serves the others (it fails only
+  // when it can serve none); without, the step fails UNAVAILABLE.
+  absl::Status RunStep(int layer, const ActivationRows& x, absl::Time deadline, ActivationRows* out,
+                       Routing* routing, StepStats* stats = nullptr,
                        UnservedTokens* unserved = nullptr);
 
  private:

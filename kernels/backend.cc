@@ -4,6 +4,7 @@
 #include "kernels/backend.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "core/status.h"
 #include "kernels/shape_checks.h"
@@ -157,6 +158,41 @@ absl::Status Backend::ScatterAddRows(ConstPartialView partial, absl::Span<const 
 absl::Status Backend::Zero(PartialView y) {
   RETURN_IF_ERROR(CheckView("Zero", "y", y));
   return DoZero(y);
+}
+
+absl::Status Backend::UploadRows(const ActivationRows& x, MatrixView y) {
+  RETURN_IF_ERROR(CheckView("UploadRows", "y", y));
+  if (x.rows() != y.rows || x.cols() != y.cols)
+    return ShapeError("UploadRows", absl::StrCat("rows [", x.rows(), ", ", x.cols(), "] != y [",
+                                                 y.rows, ", ", y.cols, "]"));
+  return DoUploadRows(x, y);
+}
+
+absl::Status Backend::DownloadRows(ConstMatrixView y, Precision p, ActivationRows* out) {
+  RETURN_IF_ERROR(CheckView("DownloadRows", "y", y));
+  *out = ActivationRows(p, y.rows, y.cols);
+  return DoDownloadRows(y, out);
+}
+
+absl::Status Backend::DoUploadRows(const ActivationRows& x, MatrixView y) {
+  const std::vector<float> staged = x.ToFloats();
+  if (y.stride == y.cols)  // one copy for a whole, dense view
+    return CopyToBackend(y.data, staged.data(), staged.size() * sizeof(float));
+  for (int64_t r = 0; r < y.rows; ++r)
+    RETURN_IF_ERROR(CopyToBackend(y.Row(r), staged.data() + r * y.cols, y.cols * sizeof(float)));
+  return absl::OkStatus();
+}
+
+absl::Status Backend::DoDownloadRows(ConstMatrixView y, ActivationRows* out) {
+  std::vector<float> staged(static_cast<size_t>(y.rows * y.cols));
+  if (y.stride == y.cols) {
+    RETURN_IF_ERROR(CopyToHost(staged.data(), y.data, staged.size() * sizeof(float)));
+  } else {
+    for (int64_t r = 0; r < y.rows; ++r)
+      RETURN_IF_ERROR(CopyToHost(staged.data() + r * y.cols, y.Row(r), y.cols * sizeof(float)));
+  }
+  *out = ActivationRows::FromFloats(out->precision(), staged.data(), y.rows, y.cols);
+  return absl::OkStatus();
 }
 
 }  // namespace moe

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "core/activations.h"
 #include "core/numerics.h"
 #include "kernels/weights.h"
 
@@ -143,6 +144,13 @@ class Backend {
   // y = 0.
   absl::Status Zero(PartialView y);
 
+  // Host activation rows into y ([rows, cols]): bf16 widened to fp32 (exact), fp32 copied. The
+  // one place a step's input changes dtype: it stays bf16 on the host, fp32 inside backends.
+  absl::Status UploadRows(const ActivationRows& x, MatrixView y);
+  // y back to host rows of precision p (bf16: rounded to nearest even, exact for a bf16 step's
+  // output, which is rounded already).
+  absl::Status DownloadRows(ConstMatrixView y, Precision p, ActivationRows* out);
+
  private:
   // The implementations, called after the checks above passed (NVI: a backend cannot skip
   // them). Backend-specific conditions (device memory, size limits) stay in the backend.
@@ -167,6 +175,10 @@ class Backend {
   virtual absl::Status DoScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
                                         PartialView y) = 0;
   virtual absl::Status DoZero(PartialView y) = 0;
+  // Through a host fp32 staging copy and CopyToBackend / CopyToHost (device backends; the
+  // conversion runs on the host, as one pass, beside the copy). Host backends convert in place.
+  virtual absl::Status DoUploadRows(const ActivationRows& x, MatrixView y);
+  virtual absl::Status DoDownloadRows(ConstMatrixView y, ActivationRows* out);
 };
 
 }  // namespace moe

@@ -202,8 +202,4 @@ absl::Status ExpertShard::Compute(ConstMatrixView x, const RowAssignments& rows,
 
 // ---- LocalMoeLayer --------------------------------------------------------------------------
 
-absl::Status RoundInput(Backend* backend, MatrixView x, Precision p) {
-  return backend->Round(x, p);
-}
-
 }  // namespace moe

@@ -46,7 +46,7 @@ class GatewayLayer {
   absl::Status SetRouterBias(std::vector<float> bias);
   const std::vector<float>& router_bias() const { return bias_; }
 
-  // Router and expert input. x: [T, H] already rounded to the precision (see RoundInput).
+  // Router and expert input. x: [T, H] in the precision (bf16 values in bf16 mode).
   // routing: host ids/weights; expert_input: [T, expert_input_size] (latent for K3, x for K2).
   absl::Status Route(ConstMatrixView x, Precision p, Routing* routing, MatrixView expert_input,
                      std::vector<float>* router_scores = nullptr);
@@ -96,8 +96,5 @@ class ExpertShard {
   std::vector<MlpWeights> experts_;
   int64_t weight_bytes_ = 0;
 };
-
-// In bf16 mode the layer input is rounded to bf16 first (DESIGN.md: per token x is bf16).
-absl::Status RoundInput(Backend* backend, MatrixView x, Precision p);
 
 }  // namespace moe

@@ -8,6 +8,10 @@
 
 namespace moe {
 
+// Rows leave a backend (fp32 views) in the step's dtype: in bf16 mode their values are bf16
+// already (the expert input is rounded), so narrowing them is exact and halves the bytes. The
+// receiving side widens them back into its backend's view (DecodeRows): fp32 lives only inside
+// backends.
 void EncodeRows(ConstMatrixView rows, Precision p, std::string* out) {
   const size_t elem = p == Precision::kBF16 ? 2 : 4;
   out->resize(rows.rows * rows.cols * elem);

@@ -390,4 +390,22 @@ absl::Status CpuBackend::DoZero(PartialView y) {
   return absl::OkStatus();
 }
 
+absl::Status CpuBackend::DoUploadRows(const ActivationRows& x, MatrixView y) {
+  for (int64_t r = 0; r < y.rows; ++r)
+    for (int64_t c = 0; c < y.cols; ++c) y.Row(r)[c] = x.Value(r * y.cols + c);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::DoDownloadRows(ConstMatrixView y, ActivationRows* out) {
+  for (int64_t r = 0; r < y.rows; ++r) {
+    if (out->precision() == Precision::kFP32) {
+      std::memcpy(static_cast<float*>(out->data()) + r * y.cols, y.Row(r), y.cols * sizeof(float));
+    } else {
+      uint16_t* bits = static_cast<uint16_t*>(out->data()) + r * y.cols;
+      for (int64_t c = 0; c < y.cols; ++c) bits[c] = FloatToBf16Bits(y.Row(r)[c]);
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace moe

@@ -64,6 +64,9 @@ class CpuBackend final : public Backend {
   absl::Status DoScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
                                 PartialView y) override;
   absl::Status DoZero(PartialView y) override;
+  // In place, one pass: bf16 widened into y, y rounded into the host rows.
+  absl::Status DoUploadRows(const ActivationRows& x, MatrixView y) override;
+  absl::Status DoDownloadRows(ConstMatrixView y, ActivationRows* out) override;
 
   // Packs rows of x in `format`'s canonical order into `buffer`; returns the row stride.
   int64_t PackRows(ConstMatrixView x, WeightFormat format, Precision p, cpu::AlignedBuffer* buffer);

@@ -8,7 +8,6 @@
 #include "core/status.h"
 
 namespace moe {
-
 absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRequest& request,
                                                         const RequestLimits& limits) {
   ValidatedRequest out;
@@ -45,13 +44,20 @@ absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRe
   if (over_limit || tokens > limits.max_request_tokens)
     return absl::ResourceExhaustedError(absl::StrCat("request has more tokens than the limit of ",
                                                      limits.max_request_tokens, " per request"));
-  ASSIGN_OR_RETURN(out.input, DecodeTensor(t, "hidden_states"));
-  for (size_t i = 0; i < out.input.values.size(); ++i) {
-    if (!std::isfinite(out.input.values[i]))
-      return absl::InvalidArgumentError(absl::StrCat(
-          "hidden_states contains ", std::isnan(out.input.values[i]) ? "NaN" : "Inf", " (token ",
-          i / limits.hidden_size, ", feature ", i % limits.hidden_size, ")"));
+  ASSIGN_OR_RETURN(out.input, DecodeActivations(t, limits.precision, "hidden_states"));
+  if (const int64_t i = out.input.FirstNonFinite(); i >= 0) {
+    const float v = out.input.Value(i);
+    const std::string where =
+        absl::StrCat(" (token ", i / limits.hidden_size, ", feature ", i % limits.hidden_size, ")");
+    // A finite fp32 value can round to Inf in bf16: say so rather than blame the caller's bits.
+    const float sent = TensorValue(t, i);
+    if (std::isfinite(sent))
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden_states value ", sent, where, " is beyond bf16's range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_states contains ", std::isnan(v) ? "NaN" : "Inf", where));
   }
+  for (int i = 0; i < rank; ++i) out.shape.push_back(t.shape(i));
   out.tokens = tokens;
   out.output_dtype =
       request.output_dtype() == moe::v1::DTYPE_UNSPECIFIED ? t.dtype() : request.output_dtype();

@@ -14,17 +14,20 @@ namespace moe {
 struct RequestLimits {
   int64_t hidden_size = 0;
   int64_t max_request_tokens = 0;
-  std::vector<int> layers;  // served layers
+  std::vector<int> layers;                 // served layers
+  Precision precision = Precision::kBF16;  // the layers' activation dtype
 };
 
 struct ValidatedRequest {
   int layer = 0;
   int64_t tokens = 0;
-  HostTensor input;  // shape as sent, values fp32
+  std::vector<int64_t> shape;  // as sent: [T, H] or [B, T, H]
+  ActivationRows input;        // [tokens, H] in the layers' dtype
   moe::v1::DType output_dtype = moe::v1::FP32;
 };
 
-// INVALID_ARGUMENT: dtype, shape, byte count, empty batch, NaN/Inf.
+// INVALID_ARGUMENT: dtype, shape, byte count, empty batch, NaN/Inf (or, for a bf16 layer, a
+// value beyond bf16's range).
 // NOT_FOUND: layer not served. RESOURCE_EXHAUSTED: more tokens than the limit.
 absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRequest& request,
                                                         const RequestLimits& limits);

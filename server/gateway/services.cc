@@ -30,14 +30,14 @@ absl::StatusOr<std::shared_ptr<ForwardCall>> MakeCall(Gateway& gateway,
   if (!gateway.AcceptsRequests())
     return absl::UnavailableError(absl::StrCat("not ready: ", gateway.ReadinessMessage()));
   RequestLimits limits{gateway.engine().config().hidden_size, gateway.options().max_request_tokens,
-                       gateway.engine().layers()};
+                       gateway.engine().layers(), gateway.engine().precision()};
   auto v = ValidateForwardRequest(request, limits);
   if (!v.ok()) return v.status();
   *validated = std::move(*v);
   auto call = std::make_shared<ForwardCall>();
   call->layer = validated->layer;
   call->tokens = validated->tokens;
-  call->input = std::move(validated->input.values);
+  call->input = std::move(validated->input);
   call->deadline = deadline;
   call->want_routing = request.return_routing();
   return call;
@@ -46,7 +46,7 @@ absl::StatusOr<std::shared_ptr<ForwardCall>> MakeCall(Gateway& gateway,
 void FillResponse(const ForwardCall& call, const ValidatedRequest& v, const ForwardRequest& request,
                   ForwardResponse* response) {
   response->set_request_id(request.request_id());
-  (void)EncodeTensor(call.output.data(), v.input.shape, v.output_dtype, response->mutable_output());
+  (void)EncodeActivations(call.output, v.shape, v.output_dtype, response->mutable_output());
   if (call.want_routing) {
     auto* routing = response->mutable_routing();
     routing->set_top_k(call.routing.top_k);
@@ -64,7 +64,7 @@ void FillResponse(const ForwardCall& call, const ValidatedRequest& v, const Forw
 // slack: 10 bytes, rounded up to 12).
 int64_t ResponseBytes(const ValidatedRequest& v, const ForwardRequest& request, int top_k) {
   int64_t elements = 1;
-  for (int64_t d : v.input.shape) elements *= d;
+  for (int64_t d : v.shape) elements *= d;
   const int64_t width = v.output_dtype == moe::v1::FP32 ? 4 : 2;
   return elements * width + (request.return_routing() ? v.tokens * top_k * int64_t{12} : 0);
 }

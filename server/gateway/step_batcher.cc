@@ -1,7 +1,6 @@
 #include "server/gateway/step_batcher.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 
@@ -127,11 +126,11 @@ void StepBatcher::RunStep(int layer, std::vector<Piece>& pieces) {
     deadline = std::max(deadline, p.call->deadline);
   }
   deadline = std::min(deadline, now + options_.step_timeout);
-  std::vector<float> x(tokens * H), out(tokens * H);
+  // The step's rows, gathered from its callers' (the one copy batching needs).
+  ActivationRows x(engine_->precision(), tokens, H), out;
   int64_t offset = 0;
   for (const Piece& p : pieces) {
-    std::memcpy(x.data() + offset * H, p.call->input.data() + p.begin * H,
-                p.rows * H * sizeof(float));
+    x.CopyRows(offset, p.call->input, p.begin, p.rows);
     offset += p.rows;
   }
   Routing routing;
@@ -141,8 +140,7 @@ void StepBatcher::RunStep(int layer, std::vector<Piece>& pieces) {
     unserved.segment_ends.push_back(
         (unserved.segment_ends.empty() ? 0 : unserved.segment_ends.back()) + p.rows);
   const absl::Status step_status =
-      engine_->RunStep(layer, engine_->precision(), x.data(), tokens, deadline, out.data(),
-                       &routing, nullptr, &unserved);
+      engine_->RunStep(layer, x, deadline, &out, &routing, nullptr, &unserved);
   const absl::Time end = absl::Now();
   offset = 0;
   size_t next_unserved = 0;
@@ -157,14 +155,13 @@ void StepBatcher::RunStep(int layer, std::vector<Piece>& pieces) {
     if (p.begin == 0) {
       call.first_step = now;
       call.queue_time = now - call.enqueued;
-      call.output.resize(call.tokens * H);
+      call.output = ActivationRows(x.precision(), call.tokens, H);
     }
     call.step_time = end - call.first_step;
     call.step_tokens = std::max(call.step_tokens, tokens);
     ++call.steps;
     if (status.ok()) {
-      std::memcpy(call.output.data() + p.begin * H, out.data() + offset * H,
-                  p.rows * H * sizeof(float));
+      call.output.CopyRows(p.begin, out, offset, p.rows);
       if (call.want_routing) {
         const int k = routing.top_k;
         if (p.begin == 0) {
@@ -184,7 +181,7 @@ void StepBatcher::RunStep(int layer, std::vector<Piece>& pieces) {
     const bool last = p.begin + p.rows == call.tokens;
     if (!status.ok() || last) {
       call.finished = true;  // rows still queued after an error are dropped by TakeStep
-      if (!status.ok()) call.output.clear();
+      if (!status.ok()) call.output = ActivationRows();
       Complete(call, status);
     }
   }

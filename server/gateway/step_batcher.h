@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "core/activations.h"
 #include "engine/step_engine.h"
 #include "model/dispatch.h"
 
@@ -58,7 +59,7 @@ class Completion {
 struct ForwardCall {
   int layer = 0;
   int64_t tokens = 0;
-  std::vector<float> input;  // [tokens, H]
+  ActivationRows input;  // [tokens, H] in the engine's precision
   absl::Time deadline = absl::InfiniteFuture();
   bool want_routing = false;
   std::atomic<bool> cancelled{false};  // set by the service when the client goes away
@@ -67,7 +68,7 @@ struct ForwardCall {
 
   // Result.
   absl::Status status;
-  std::vector<float> output;             // [tokens, H]
+  ActivationRows output;                 // [tokens, H] in the engine's precision
   Routing routing;                       // this call's rows only
   absl::Duration queue_time, step_time;  // until its first step; from then to the end
   int64_t step_tokens = 0;               // the largest step it was part of

@@ -33,12 +33,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   FUZZ_CHECK(v->tokens >= 1 && v->tokens <= limits.max_request_tokens);
-  for (float x : v->input.values) FUZZ_CHECK(std::isfinite(x));
+  FUZZ_CHECK(v->input.FirstNonFinite() < 0);
   // The response side: every requested output comes back, in order, with its bytes.
   moe::v1::ForwardResponse forward;
   forward.mutable_output()->set_dtype(v->output_dtype);
-  forward.mutable_output()->mutable_shape()->Add(v->input.shape.begin(), v->input.shape.end());
-  forward.mutable_output()->set_data(std::string(v->input.values.size() * 2, '\x01'));
+  forward.mutable_output()->mutable_shape()->Add(v->shape.begin(), v->shape.end());
+  forward.mutable_output()->set_data(std::string(v->input.rows() * v->input.cols() * 2, '\x01'));
   forward.mutable_routing()->set_top_k(2);
   for (int64_t i = 0; i < 2 * v->tokens; ++i) {
     forward.mutable_routing()->add_expert_ids(static_cast<int32_t>(i % 16));

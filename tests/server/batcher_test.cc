@@ -46,17 +46,20 @@ class BatcherTest : public ::testing::Test {
     auto call = std::make_shared<ForwardCall>();
     call->layer = layer;
     call->tokens = tokens;
-    call->input.resize(tokens * 640);
+    std::vector<float> x(tokens * 640);
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (float& v : call->input) v = normal(rng);
+    for (float& v : x) v = normal(rng);
+    call->input = ActivationRows::FromFloats(Precision::kBF16, x.data(), tokens, 640);
     call->want_routing = true;
     return call;
   }
 
-  std::vector<float> InProcess(int layer, const std::vector<float>& x) {
+  // The in-process layer's output for a call's rows, as fp32 values.
+  std::vector<float> InProcess(int layer, const ActivationRows& rows) {
     auto local = LocalMoeLayer::Load(*checkpoint_, layer, placement_, &reference_backend_);
     EXPECT_TRUE(local.ok());
+    const std::vector<float> x = rows.ToFloats();
     std::vector<float> y(x.size());
     EXPECT_TRUE((*local)->Forward(x.data(), x.size() / 640, Precision::kBF16, y.data()).ok());
     return y;
@@ -95,7 +98,7 @@ TEST_F(BatcherTest, ConcurrentCallersOnSeveralLayersGetTheirOwnRows) {
   for (const auto& call : calls) {
     ASSERT_TRUE(call->status.ok()) << call->status;
     ASSERT_EQ(call->routing.ids.size(), static_cast<size_t>(call->tokens * 2));
-    EXPECT_EQ(call->output, InProcess(call->layer, call->input))
+    EXPECT_EQ(call->output.ToFloats(), InProcess(call->layer, call->input))
         << "layer " << call->layer << " tokens " << call->tokens;
   }
   EXPECT_GT(batched.load(), 0) << "some steps should have batched several callers";
@@ -121,7 +124,7 @@ TEST_F(BatcherTest, CancelledExpiredAndOverLimitCallsGetTheirCodes) {
   EXPECT_EQ(cancelled->status.code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(expired->status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(fine->status.ok()) << fine->status;
-  EXPECT_EQ(fine->output, InProcess(1, fine->input));
+  EXPECT_EQ(fine->output.ToFloats(), InProcess(1, fine->input));
 }
 
 TEST_F(BatcherTest, RequestsLargerThanAStepAreSplitBitIdentically) {
@@ -141,12 +144,15 @@ TEST_F(BatcherTest, RequestsLargerThanAStepAreSplitBitIdentically) {
     Routing want_routing;
     auto local = LocalMoeLayer::Load(*checkpoint_, call->layer, placement_, &reference_backend_);
     ASSERT_TRUE(local.ok());
-    std::vector<float> want(call->input.size());
+    const std::vector<float> x = call->input.ToFloats();
+    std::vector<float> want(x.size());
     ASSERT_TRUE((*local)
-                    ->Forward(call->input.data(), call->tokens, Precision::kBF16, want.data(),
-                              &want_routing)
+                    ->Forward(x.data(), call->tokens, Precision::kBF16, want.data(), &want_routing)
                     .ok());
-    EXPECT_EQ(call->output, want) << "layer " << call->layer << " tokens " << call->tokens;
+    EXPECT_EQ(call->output.ToFloats(), want)
+        << "layer " << call->layer << " tokens " << call->tokens;
+    // bf16 end to end: the batcher hands back the layer's own bf16 values.
+    EXPECT_EQ(call->output.precision(), Precision::kBF16);
     EXPECT_EQ(call->routing.ids, want_routing.ids);
     EXPECT_EQ(call->routing.weights, want_routing.weights);
   }
@@ -172,8 +178,8 @@ TEST_F(BatcherTest, ASmallCallOvertakesALargeOneAfterAtMostTwoSteps) {
   ASSERT_TRUE(large->done.WaitFor(absl::Seconds(60)));
   ASSERT_TRUE(large->status.ok()) << large->status;
   EXPECT_GE(large->steps, 20);
-  EXPECT_EQ(small->output, InProcess(1, small->input));
-  EXPECT_EQ(large->output, InProcess(1, large->input));
+  EXPECT_EQ(small->output.ToFloats(), InProcess(1, small->input));
+  EXPECT_EQ(large->output.ToFloats(), InProcess(1, large->input));
 }
 
 TEST_F(BatcherTest, ShutdownAnswersQueuedCalls) {

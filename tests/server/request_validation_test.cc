@@ -28,7 +28,8 @@ TEST(RequestValidationTest, AcceptsEveryDtypeAndBothShapes) {
     ASSERT_TRUE(v.ok()) << v.status();
     EXPECT_EQ(v->tokens, 3);
     EXPECT_EQ(v->output_dtype, dtype);
-    EXPECT_EQ(v->input.values[1], -0.75f);  // exact in every dtype
+    EXPECT_EQ(v->input.Value(1), -0.75f);               // exact in every dtype
+    EXPECT_EQ(v->input.precision(), Precision::kBF16);  // the layers' dtype, whatever was sent
   }
   auto v = ValidateForwardRequest(Request(2, {2, 4, 8}), kLimits);
   ASSERT_TRUE(v.ok());
@@ -75,6 +76,53 @@ TEST(RequestValidationTest, RejectsBadInputWithPreciseCodes) {
   empty.set_layer(1);
   EXPECT_EQ(ValidateForwardRequest(empty, kLimits).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The decoded rows are the layer's input: fp32/fp16 sent to a bf16 layer rounded once (to
+// nearest even), bf16 taken as sent, and an fp32 layer keeps fp32 bits.
+TEST(RequestValidationTest, DecodesIntoTheLayersDtype) {
+  std::vector<float> x(8);
+  for (int i = 0; i < 8; ++i) x[i] = 1.0f + static_cast<float>(i) * 0x1p-9f - 0.3f * i;
+  x[1] = 1.0f + 0x1p-8f;  // a tie: rounds to 1.0 in bf16
+  moe::v1::ForwardRequest r;
+  r.set_layer(1);
+  ASSERT_TRUE(EncodeTensor(x.data(), {1, 8}, moe::v1::FP32, r.mutable_hidden_states()).ok());
+  auto bf16 = ValidateForwardRequest(r, kLimits);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  ASSERT_EQ(bf16->input.precision(), Precision::kBF16);
+  EXPECT_EQ(bf16->input.Value(1), 1.0f);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(bf16->input.bf16()[i], FloatToBf16Bits(x[i])) << i;
+
+  RequestLimits fp32_limits = kLimits;
+  fp32_limits.precision = Precision::kFP32;
+  auto fp32 = ValidateForwardRequest(r, fp32_limits);
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  ASSERT_EQ(fp32->input.precision(), Precision::kFP32);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(fp32->input.Value(i), x[i]) << i;
+
+  moe::v1::ForwardRequest b;
+  b.set_layer(1);
+  ASSERT_TRUE(EncodeTensor(x.data(), {1, 8}, moe::v1::BF16, b.mutable_hidden_states()).ok());
+  auto sent_bf16 = ValidateForwardRequest(b, kLimits);
+  ASSERT_TRUE(sent_bf16.ok());
+  EXPECT_TRUE(sent_bf16->input == bf16->input);
+}
+
+// A finite fp32 value that a bf16 layer cannot hold is the caller's error, named as such (the
+// fp32 layer takes it).
+TEST(RequestValidationTest, Fp32BeyondBf16RangeIsRejectedByABf16Layer) {
+  std::vector<float> x(16, 0.5f);
+  x[10] = 3.4e38f;
+  moe::v1::ForwardRequest r;
+  r.set_layer(1);
+  ASSERT_TRUE(EncodeTensor(x.data(), {2, 8}, moe::v1::FP32, r.mutable_hidden_states()).ok());
+  const absl::Status s = ValidateForwardRequest(r, kLimits).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("(token 1, feature 2) is beyond bf16's range"), std::string::npos)
+      << s.message();
+  RequestLimits fp32_limits = kLimits;
+  fp32_limits.precision = Precision::kFP32;
+  EXPECT_TRUE(ValidateForwardRequest(r, fp32_limits).ok());
 }
 
 // [T, 2^62, H]: the token count stops at the limit instead of overflowing int64.
