@@ -25,15 +25,20 @@ labels_exclude="slow"
 stage "tests (excluding label: $labels_exclude)"
 ctest --test-dir build -LE "$labels_exclude" --output-on-failure -j"$jobs" --timeout 1500
 
+# The instrumented trees: -O1 -g1 (line tables, enough for every sanitizer report's stack) compile
+# about 2.5x faster than RelWithDebInfo's -O2 -g (measured on service_test.cc under ASan: 42 s
+# against 105 s), for tests that run a little slower.
+instrumented=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG"
+              "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG")
 if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ]; then
   stage "ASan + UBSan build (unit tests, and the trust-boundary tests' gateway and ranks)"
-  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_SANITIZE=ON >/dev/null
+  cmake -S . -B build-asan -G Ninja "${instrumented[@]}" -DMOE_SANITIZE=ON >/dev/null
   cmake --build build-asan -j"$jobs" --target moe-tests-unit moe-tests-asan-e2e
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan -L "unit|asan-e2e" --output-on-failure -j"$jobs"
 
   stage "TSan build (concurrent parts)"
-  cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_TSAN=ON >/dev/null
+  cmake -S . -B build-tsan -G Ninja "${instrumented[@]}" -DMOE_TSAN=ON >/dev/null
   cmake --build build-tsan -j"$jobs" --target moe-tests-concurrency
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
     ctest --test-dir build-tsan -L "concurrency" --output-on-failure -j"$jobs"
@@ -45,7 +50,7 @@ if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ] && [ "$fuzz_seconds" != "0" ]; then
   # New inputs go to a scratch corpus; a crash fails the stage and leaves its input in build-fuzz/.
   stage "libFuzzer (clang, ASan + UBSan): $fuzz_seconds s per target"
   targets=(npy safetensors index config request kserve step)
-  cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_ENABLE_CUDA=OFF \
+  cmake -S . -B build-fuzz -G Ninja "${instrumented[@]}" -DMOE_ENABLE_CUDA=OFF \
     -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DMOE_FUZZ=ON >/dev/null
   cmake --build build-fuzz -j"$jobs" --target "${targets[@]/#/fuzz_}"
   printf '%s\n' "${targets[@]}" | xargs -P "$jobs" -I{} bash -c '
