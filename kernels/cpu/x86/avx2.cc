@@ -820,7 +820,9 @@ void FusedFp8Rows(const WeightMatrix& w, const float* const* x, int64_t n0, int6
                       const float* scales = Fp8RowScales(w, n);
                       float& nan_flag = c[CarryPerRow(MR)];
                       Fp8NanScan nan;
-                      __m256 low_half[MR];
+                      // Set at h = 0 of the last slice, read at h = 1 (zeroed: GCC's -O1
+                      // cannot see that and warns).
+                      __m256 low_half[MR] = {};
                       for (int h = 0; h < 2; ++h) {
                         __m256 lanes[MR];
                         for (int i = 0; i < MR; ++i)
