@@ -1,6 +1,5 @@
 #include "core/activations.h"
 
-#include <cmath>
 #include <cstring>
 
 namespace moe {
@@ -36,11 +35,9 @@ int64_t ActivationRows::FirstNonFinite() const {
     // bf16 NaN and Inf: the exponent field all ones.
     for (int64_t i = 0; i < n; ++i)
       if ((bf16()[i] & 0x7F80) == 0x7F80) return i;
-  } else {
-    for (int64_t i = 0; i < n; ++i)
-      if (!std::isfinite(fp32()[i])) return i;
+    return -1;
   }
-  return -1;
+  return moe::FirstNonFinite(fp32(), n);
 }
 
 void ActivationRows::CopyRows(int64_t row, const ActivationRows& from, int64_t from_row,

@@ -222,4 +222,12 @@ MOE_HD float GluActivate(const ActivationParams& p, float g, float u) {
   return a * ub;
 }
 
+// Index of the first NaN or Inf among data[0, n), or -1.
+template <typename T>
+int64_t FirstNonFinite(const T* data, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(data[i])) return i;
+  return -1;
+}
+
 }  // namespace moe

@@ -13,14 +13,6 @@ namespace {
 // Workspace slots of one layer's step; rank row buffers follow kRankRows.
 enum Slot { kInput, kExpertInput, kShared, kCombined, kOutput, kRankRows };
 
-// Index of the first non-finite value, or -1.
-template <typename T>
-int64_t FirstNonFinite(const T* data, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(data[i])) return i;
-  return -1;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(

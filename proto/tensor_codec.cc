@@ -79,6 +79,11 @@ float WireValue(const char* p, moe::v1::DType dtype, int64_t i) {
   return dtype == moe::v1::BF16 ? Bf16BitsToFloat(b) : HalfBitsToFloat(b);
 }
 
+// Whether wire `dtype` holds values of `precision` as they are (no conversion).
+bool IsWireDtypeOf(Precision precision, moe::v1::DType dtype) {
+  return dtype == (precision == Precision::kBF16 ? moe::v1::BF16 : moe::v1::FP32);
+}
+
 }  // namespace
 
 float TensorValue(const moe::v1::Tensor& tensor, int64_t i) {
@@ -107,8 +112,7 @@ absl::StatusOr<ActivationRows> DecodeActivations(const moe::v1::Tensor& tensor, 
   const int64_t cols = shape.empty() ? 1 : shape.back();
   ActivationRows out(precision, cols == 0 ? 0 : n / cols, cols);
   const char* p = tensor.data().data();
-  if ((precision == Precision::kBF16 && tensor.dtype() == moe::v1::BF16) ||
-      (precision == Precision::kFP32 && tensor.dtype() == moe::v1::FP32)) {
+  if (IsWireDtypeOf(precision, tensor.dtype())) {
     if (n > 0) std::memcpy(out.data(), p, out.bytes());  // the wire holds the real dtype
   } else if (precision == Precision::kBF16) {
     // FP32/FP16 sent to a bf16 layer: rounded to bf16 here, once, as the layer would.
@@ -123,9 +127,7 @@ absl::StatusOr<ActivationRows> DecodeActivations(const moe::v1::Tensor& tensor, 
 
 absl::Status EncodeActivations(const ActivationRows& rows, const std::vector<int64_t>& shape,
                                moe::v1::DType dtype, moe::v1::Tensor* out) {
-  const bool same = (rows.precision() == Precision::kBF16 && dtype == moe::v1::BF16) ||
-                    (rows.precision() == Precision::kFP32 && dtype == moe::v1::FP32);
-  if (!same) {
+  if (!IsWireDtypeOf(rows.precision(), dtype)) {
     // Another dtype than the layer's: the values (exact in fp32) are rounded once to it.
     const std::vector<float> values = rows.ToFloats();
     return EncodeTensor(values.data(), shape, dtype, out);

@@ -8,6 +8,7 @@
 #include "core/status.h"
 
 namespace moe {
+
 absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRequest& request,
                                                         const RequestLimits& limits) {
   ValidatedRequest out;
@@ -46,7 +47,6 @@ absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRe
                                                      limits.max_request_tokens, " per request"));
   ASSIGN_OR_RETURN(out.input, DecodeActivations(t, limits.precision, "hidden_states"));
   if (const int64_t i = out.input.FirstNonFinite(); i >= 0) {
-    const float v = out.input.Value(i);
     const std::string where =
         absl::StrCat(" (token ", i / limits.hidden_size, ", feature ", i % limits.hidden_size, ")");
     // A finite fp32 value can round to Inf in bf16: say so rather than blame the caller's bits.
@@ -55,7 +55,7 @@ absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRe
       return absl::InvalidArgumentError(
           absl::StrCat("hidden_states value ", sent, where, " is beyond bf16's range"));
     return absl::InvalidArgumentError(
-        absl::StrCat("hidden_states contains ", std::isnan(v) ? "NaN" : "Inf", where));
+        absl::StrCat("hidden_states contains ", std::isnan(sent) ? "NaN" : "Inf", where));
   }
   for (int i = 0; i < rank; ++i) out.shape.push_back(t.shape(i));
   out.tokens = tokens;
