@@ -144,9 +144,16 @@ class Mxfp4Decoder {
   // shuffle puts every lane's even bytes before its odd ones, so that after the lookups a byte
   // unpack of low and high bf16 bytes leaves, per lane, its even element of run c in the low
   // word and its odd element in the high word: a mask gives odd[c], a shift even[c]. (14 shuffle
-  // or shift ops per 64 weights: on Zen 3 those share two pipes and bound this loop.)
+  // or shift ops per 64 weights: on Zen 3 those share two pipes.) In two steps, so that a kernel
+  // can look up several halves before it consumes their chunks: Lookups, then SplitChunk.
   void HalfSplit(const uint8_t* bytes, const uint8_t* block_scales, __m256 odd[4],
                  __m256 even[4]) const {
+    __m256i lookups[4];
+    Lookups(bytes, block_scales, lookups);
+    for (int c = 0; c < 4; ++c) SplitChunk(lookups, c, &odd[c], &even[c]);
+  }
+  // The four table lookups of a half: low and high bf16 bytes of runs 0|2, then of runs 1|3.
+  void Lookups(const uint8_t* bytes, const uint8_t* block_scales, __m256i out[4]) const {
     __m256i t_lo, t_hi;
     Tables(block_scales, &t_lo, &t_hi);
     const __m256i evens_first =
@@ -157,12 +164,18 @@ class Mxfp4Decoder {
     const __m256i nib = _mm256_set1_epi8(0x0F);
     const __m256i a = _mm256_and_si256(w, nib);                        // runs 0 | 2
     const __m256i b = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);  // runs 1 | 3
-    const __m256i la = _mm256_shuffle_epi8(t_lo, a), ha = _mm256_shuffle_epi8(t_hi, a);
-    const __m256i lb = _mm256_shuffle_epi8(t_lo, b), hb = _mm256_shuffle_epi8(t_hi, b);
-    Split(_mm256_unpacklo_epi8(la, ha), &odd[0], &even[0]);
-    Split(_mm256_unpacklo_epi8(lb, hb), &odd[1], &even[1]);
-    Split(_mm256_unpackhi_epi8(la, ha), &odd[2], &even[2]);
-    Split(_mm256_unpackhi_epi8(lb, hb), &odd[3], &even[3]);
+    out[0] = _mm256_shuffle_epi8(t_lo, a);
+    out[1] = _mm256_shuffle_epi8(t_hi, a);
+    out[2] = _mm256_shuffle_epi8(t_lo, b);
+    out[3] = _mm256_shuffle_epi8(t_hi, b);
+  }
+  // Chunk c of a half from its lookups: runs 0 and 1 are the low 8 bytes of each 128-bit lane,
+  // runs 2 and 3 the high ones.
+  static void SplitChunk(const __m256i lookups[4], int c, __m256* odd, __m256* even) {
+    const __m256i lo = lookups[2 * (c & 1)], hi = lookups[2 * (c & 1) + 1];
+    const __m256i pairs = c < 2 ? _mm256_unpacklo_epi8(lo, hi) : _mm256_unpackhi_epi8(lo, hi);
+    *odd = OddElements(pairs);
+    *even = EvenElements(pairs);
   }
 
  private:
@@ -178,12 +191,6 @@ class Mxfp4Decoder {
     *t_hi = _mm256_blend_epi32(_mm256_broadcastsi128_si256(_mm_load_si128(hi0)),
                                _mm256_broadcastsi128_si256(_mm_load_si128(hi1)), 0xF0);
   }
-  // Dwords of bf16 pairs (even element low, odd element high) -> both elements as fp32.
-  static void Split(__m256i pairs, __m256* odd, __m256* even) {
-    *odd = OddElements(pairs);
-    *even = EvenElements(pairs);
-  }
-
   const Mxfp4Tables& tables_;
 };
 
@@ -646,54 +653,88 @@ inline void StoreLanes(float* carry, int mr, int nr, int h, int r, int i, __m256
   _mm256_store_ps(carry + 8 * ((h * nr + r) * mr + i), v);
 }
 
-// Weights decoded in registers, half a 128-element block at a time: the split layout's eight
-// vectors odd[c], even[c] of chunks 0..3, for weight row r of a tile. MXFP4 decodes its packed
-// bytes; bf16 rows are read in place and split by a mask and a shift.
-struct Mxfp4Halves {
-  const uint8_t* const* packed;
-  const uint8_t* const* scales;
+// Weights decoded in registers for a tile of NR weight rows, one chunk (the odd and even
+// vectors of the split layout) at a time: Decode(g, r, h, d) prepares half h of row r's block g
+// in four registers d, Chunk(g, r, h, c, d) then gives its chunk c. MXFP4 does its table lookups
+// in Decode and splits a chunk from them; bf16 rows are read in place, a chunk at a time, and
+// split by a mask and a shift.
+template <int NR>
+struct Mxfp4Chunks {
+  const uint8_t* packed[NR];
+  const uint8_t* scales[NR];
   Mxfp4Decoder decoder;
-  void Prefetch(int r, int64_t g) const { PrefetchStream(packed[r] + 64 * g); }
-  void operator()(int r, int64_t g, int h, __m256 odd[4], __m256 even[4]) const {
-    decoder.HalfSplit(packed[r] + 64 * g + 32 * h, scales[r] + 4 * g + 2 * h, odd, even);
+  void Decode(int64_t g, int r, int h, __m256i d[4]) const {
+    if (h == 0) PrefetchStream(packed[r] + 64 * g);
+    decoder.Lookups(packed[r] + 64 * g + 32 * h, scales[r] + 4 * g + 2 * h, d);
+  }
+  static void Chunk(int64_t, int, int, int c, const __m256i d[4], __m256* odd, __m256* even) {
+    Mxfp4Decoder::SplitChunk(d, c, odd, even);
   }
 };
-struct Bf16Halves {
-  const uint16_t* const* rows;
+template <int NR>
+struct Bf16Chunks {
+  const uint16_t* rows[NR];
   // The hardware prefetcher: software prefetch of bf16 rows read in place measured ~8% slower.
-  void Prefetch(int, int64_t) const {}
-  void operator()(int r, int64_t g, int h, __m256 odd[4], __m256 even[4]) const {
-    for (int c = 0; c < 4; ++c) {
-      const __m256i words = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(rows[r] + kBlock * g + 32 * c + 16 * h));
-      odd[c] = OddElements(words);
-      even[c] = EvenElements(words);
-    }
+  void Decode(int64_t, int, int, __m256i*) const {}
+  void Chunk(int64_t g, int r, int h, int c, const __m256i*, __m256* odd, __m256* even) const {
+    const __m256i words = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(rows[r] + kBlock * g + 32 * c + 16 * h));
+    *odd = OddElements(words);
+    *even = EvenElements(words);
   }
 };
 
-// NR weight rows side by side over the blocks [g0, g1), both halves of each block in one pass,
-// so 2 x MR x NR independent accumulator chains hide the FMA latency.
-template <int MR, int NR, typename Halves>
-void FusedTile(const Halves& halves, const float* const* x, int64_t g0, int64_t g1, float* carry,
+// The order in which a tile takes its chunks. Each of its 2 x MR x NR accumulator chains takes
+// two dependent FMAs per chunk, and the core overlaps chains only as far as its scheduler
+// reaches: on Zen 3, 8 chains fed 8 FMAs in a row each ran at half the FMA rate of the same
+// chains fed 2 at a time. So chunks go in canonical order across all the tile's row halves
+// (kInterleaved) where their decoded form fits in registers: bf16 (read in place) and MXFP4 with
+// one weight row (its two halves' lookups). MXFP4 with several weight rows decodes and consumes
+// one row half after the other instead (their lookups would spill).
+enum class ChunkOrder { kInterleaved, kRowHalves };
+
+// NR weight rows side by side over the blocks [g0, g1) against MR operand rows.
+template <int MR, int NR, ChunkOrder kOrder, typename Chunks>
+void FusedTile(const Chunks& chunks, const float* const* x, int64_t g0, int64_t g1, float* carry,
                bool first, bool last, float* y, int64_t ldy) {
   __m256 acc[2][NR][MR];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < MR; ++i)
         acc[h][r][i] = first ? _mm256_setzero_ps() : LoadLanes(carry, MR, NR, h, r, i);
+  auto consume = [&](int64_t g, int r, int h, int c, const __m256i* d) {
+    __m256 odd, even;
+    chunks.Chunk(g, r, h, c, d, &odd, &even);
+    const int64_t off = kBlock * g + SplitOffset(h, c, 0);
+    for (int i = 0; i < MR; ++i)
+      acc[h][r][i] = _mm256_fmadd_ps(odd, _mm256_load_ps(x[i] + off), acc[h][r][i]);
+    for (int i = 0; i < MR; ++i)
+      acc[h][r][i] = _mm256_fmadd_ps(even, _mm256_load_ps(x[i] + off + 8), acc[h][r][i]);
+  };
+  // Unrolled, so that the accumulators stay in registers (a runtime row index kept them on the
+  // stack: 2x slower).
   for (int64_t g = g0; g < g1; ++g) {
-    // Unrolled, so that the accumulators stay in registers (a runtime row index kept them on
-    // the stack: 2x slower).
+    if constexpr (kOrder == ChunkOrder::kInterleaved) {
+      __m256i d[NR][2][4];
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) {
-      halves.Prefetch(r, g);
+      for (int r = 0; r < NR; ++r)
+        for (int h = 0; h < 2; ++h) chunks.Decode(g, r, h, d[r][h]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        __m256 odd[4], even[4];
-        halves(r, g, h, odd, even);
-        AccumulateSplitHalf<MR>(odd, even, x, kBlock * g + SplitOffset(h, 0, 0), acc[h][r]);
-      }
+        for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
+          for (int r = 0; r < NR; ++r) consume(g, r, h, c, d[r][h]);
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256i d[4];
+          chunks.Decode(g, r, h, d);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) consume(g, r, h, c, d);
+        }
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -706,10 +747,16 @@ void FusedTile(const Halves& halves, const float* const* x, int64_t g0, int64_t 
     }
 }
 
-// Weight rows side by side: 2 x MR x NR accumulators stay <= 8. (Measured on Zen 3 at 3-4
-// operand rows: one weight row with both halves beat two with one half per pass by 1.3x.)
+// Weight rows side by side, so that there are 2 x MR x NR >= 8 chains (at most 8 accumulators
+// in registers). Measured on Zen 3, weights in L2, K = 3584: MXFP4 at 1 operand row 4 rows in
+// row-half order ~1.1x faster than 1 row interleaved; at 2-3 operand rows one row interleaved
+// ~1.1x faster than the row-half order; bf16 interleaved 1.2x faster at 1-2 operand rows.
 template <int MR>
-constexpr int kFusedRows = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
+constexpr int kFusedBf16Rows = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
+template <int MR>
+constexpr int kFusedMxfp4Rows = MR == 1 ? 4 : 1;
+template <int MR>
+constexpr ChunkOrder kMxfp4Order = MR == 1 ? ChunkOrder::kRowHalves : ChunkOrder::kInterleaved;
 constexpr int kFusedMaxRows = 4;  // operand rows of the MXFP4 and bf16 fused paths per sweep
 constexpr int kFusedSweeps = 2;   // sweeps over the weights before the scratch path pays off
 
@@ -717,31 +764,39 @@ constexpr int kFusedSweeps = 2;   // sweeps over the weights before the scratch 
 template <int MR>
 void FusedRows(const WeightMatrix& w, const float* const* x, int64_t n0, int64_t n1, float* y,
                int64_t ldy, float* carry) {
-  constexpr int kNr = kFusedRows<MR>;
-  SlicedRows<MR, kNr>(
-      w, n0, n1, CarryPerRow(MR), carry,
-      [&](int64_t n, int nr, int64_t k0, int64_t k1, float* c, bool first, bool last) {
-        auto tile = [&](const auto& halves) {
-          WithCount<kNr>(nr, [&](auto rows_tag) {
-            FusedTile<MR, decltype(rows_tag)::value>(halves, x, k0 / kBlock, k1 / kBlock, c, first,
-                                                     last, y + (n - n0), ldy);
+  // Tiles of up to NR weight rows; chunks_of(n, nr) gives row n's tile source.
+  auto sweep = [&](auto rows_tag, auto order_tag, auto&& chunks_of) {
+    constexpr int kNr = decltype(rows_tag)::value;
+    SlicedRows<MR, kNr>(
+        w, n0, n1, CarryPerRow(MR), carry,
+        [&](int64_t n, int nr, int64_t k0, int64_t k1, float* c, bool first, bool last) {
+          WithCount<kNr>(nr, [&](auto tile_rows) {
+            auto chunks = chunks_of(n, tile_rows);
+            FusedTile<MR, decltype(tile_rows)::value, decltype(order_tag)::value>(
+                chunks, x, k0 / kBlock, k1 / kBlock, c, first, last, y + (n - n0), ldy);
           });
-        };
-        if (w.format == WeightFormat::kMXFP4) {
-          const uint8_t* p[kNr];
-          const uint8_t* s[kNr];
-          for (int r = 0; r < nr; ++r) {
-            p[r] = static_cast<const uint8_t*>(w.data) + (n + r) * (w.cols / 2);
-            s[r] = static_cast<const uint8_t*>(w.scales) + (n + r) * (w.cols / 32);
-          }
-          tile(Mxfp4Halves{p, s, Mxfp4Decoder()});
-        } else {
-          const uint16_t* rows[kNr];
-          for (int r = 0; r < nr; ++r)
-            rows[r] = static_cast<const uint16_t*>(w.data) + (n + r) * w.cols;
-          tile(Bf16Halves{rows});
-        }
-      });
+        });
+  };
+  if (w.format == WeightFormat::kMXFP4) {
+    sweep(std::integral_constant<int, kFusedMxfp4Rows<MR>>(),
+          std::integral_constant<ChunkOrder, kMxfp4Order<MR>>(), [&](int64_t n, auto tile_rows) {
+            Mxfp4Chunks<decltype(tile_rows)::value> chunks;
+            for (int r = 0; r < decltype(tile_rows)::value; ++r) {
+              chunks.packed[r] = static_cast<const uint8_t*>(w.data) + (n + r) * (w.cols / 2);
+              chunks.scales[r] = static_cast<const uint8_t*>(w.scales) + (n + r) * (w.cols / 32);
+            }
+            return chunks;
+          });
+  } else {
+    sweep(std::integral_constant<int, kFusedBf16Rows<MR>>(),
+          std::integral_constant<ChunkOrder, ChunkOrder::kInterleaved>(),
+          [&](int64_t n, auto tile_rows) {
+            Bf16Chunks<decltype(tile_rows)::value> chunks;
+            for (int r = 0; r < decltype(tile_rows)::value; ++r)
+              chunks.rows[r] = static_cast<const uint16_t*>(w.data) + (n + r) * w.cols;
+            return chunks;
+          });
+  }
 }
 
 // FP8: one weight row at a time, NB blocks in flight per half (block partials are independent
