@@ -29,7 +29,8 @@ using moe::testing::SameBits;
 const int64_t kWidths[] = {32, 64, 96, 200, 320, 1000, 3584, 4500};  // 3584, 4500: K-sliced paths
 // Every tail of 2-, 4- and 8-row tilings; 37 crosses the fused paths' 16-row slice groups twice.
 const int64_t kWeightRows[] = {1, 6, 7, 13, 37};
-const int64_t kOperandRows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 31};
+// 1-8: one fused sweep (every tile shape and chunk order); 9, 13, 16: two; 17, 31: scratch tiles.
+const int64_t kOperandRows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 31};
 
 class PortableDotTest : public ::testing::TestWithParam<std::tuple<WeightFormat, Precision>> {};
 
@@ -95,9 +96,9 @@ INSTANTIATE_TEST_SUITE_P(AllTiers, TierDotTest,
                                             ::testing::Values(Precision::kBF16, Precision::kFP32)),
                          TierFormatName);
 
-// Single weights picked by one-hot operand rows, through every kernel path: one operand row per
-// call (in-register decode), four (the largest in-register FP8 and MXFP4 shapes) and all at once
-// (decode to scratch). Returns y[operand][weight row] in full.
+// Single weights picked by one-hot operand rows, through every kernel path: operand rows per call
+// 1, 2, 4 (in-register decode, each chunk order), 6 (MXFP4 half passes; FP8's largest fused
+// shape), 12 (two fused sweeps) and all at once (decode to scratch). Returns y[operand][weight row] in full.
 std::vector<float> OneHotProducts(const DotKernels& kernels, const WeightMatrix& w, Precision p,
                                   int64_t rows_per_call) {
   const int64_t k = w.cols;
@@ -197,7 +198,7 @@ TEST_P(TierCodeTest, EveryMxfp4CodeAndScaleEdgeExactInEveryPath) {
     w.data = packed.data();
     w.scales = scale_bytes.data();
     for (Precision p : {Precision::kBF16, Precision::kFP32})
-      for (int64_t per_call : {int64_t{1}, int64_t{2}, int64_t{4}, k}) {
+      for (int64_t per_call : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{6}, int64_t{12}, k}) {
         const auto y = OneHotProducts(*tier->kernels(), w, p, per_call);
         const auto portable = OneHotProducts(*PortableDotKernels(), w, p, per_call);
         for (int64_t e = 0; e < k; ++e)

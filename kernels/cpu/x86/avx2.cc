@@ -26,8 +26,8 @@
 //    would widen to 480: decode to scratch fixes it up, the in-register path redoes a row that
 //    holds one.
 // Kernel shapes: for few operand rows the weights are decoded in registers and consumed at once
-// (MXFP4 and bf16: up to 4 operand rows per sweep over the weights, two sweeps for up to 8; FP8
-// up to 6), with K cut into slices whose operand part stays in L1; for more, groups of weight
+// (MXFP4 and bf16: up to 8 operand rows per sweep over the weights, two sweeps for up to 16; FP8
+// up to 6), the FMA chains interleaved (ChunkOrder), with K cut into slices whose operand part stays in L1; for more, groups of weight
 // rows are decoded into the per-thread scratch and walked in L1-sized K slices by 4 x 3 register
 // tiles (3 x 3 with FP8 block partials) over operand rows widened once per call.
 #include <immintrin.h>
@@ -687,77 +687,112 @@ struct Bf16Chunks {
 // The order in which a tile takes its chunks. Each of its 2 x MR x NR accumulator chains takes
 // two dependent FMAs per chunk, and the core overlaps chains only as far as its scheduler
 // reaches: on Zen 3, 8 chains fed 8 FMAs in a row each ran at half the FMA rate of the same
-// chains fed 2 at a time. So chunks go in canonical order across all the tile's row halves
-// (kInterleaved) where their decoded form fits in registers: bf16 (read in place) and MXFP4 with
-// one weight row (its two halves' lookups). MXFP4 with several weight rows decodes and consumes
-// one row half after the other instead (their lookups would spill).
-enum class ChunkOrder { kInterleaved, kRowHalves };
+// chains fed 2 at a time. So the chains' FMAs are interleaved wherever the decoded weights fit
+// in registers:
+//  - kInterleaved: chunks in canonical order across all the tile's row halves (bf16, read in
+//    place; MXFP4 with one weight row: its two halves' lookups);
+//  - kRowHalves: one row half after the other (MXFP4 with several weight rows, whose lookups
+//    would spill);
+//  - kHalfPasses: one weight row, half 0 over the whole K range, then half 1 (read from L1), for
+//    5-8 operand rows: MR accumulators in registers, each decode feeding MR chains.
+enum class ChunkOrder { kInterleaved, kRowHalves, kHalfPasses };
 
 // NR weight rows side by side over the blocks [g0, g1) against MR operand rows.
 template <int MR, int NR, ChunkOrder kOrder, typename Chunks>
 void FusedTile(const Chunks& chunks, const float* const* x, int64_t g0, int64_t g1, float* carry,
                bool first, bool last, float* y, int64_t ldy) {
-  __m256 acc[2][NR][MR];
-  for (int h = 0; h < 2; ++h)
-    for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < MR; ++i)
-        acc[h][r][i] = first ? _mm256_setzero_ps() : LoadLanes(carry, MR, NR, h, r, i);
-  auto consume = [&](int64_t g, int r, int h, int c, const __m256i* d) {
+  // Chunk c of half h of row r's block g (decoded in d) into the lanes `acc` of MR operand rows.
+  auto consume = [&](int64_t g, int r, int h, int c, const __m256i* d, __m256* acc) {
     __m256 odd, even;
     chunks.Chunk(g, r, h, c, d, &odd, &even);
     const int64_t off = kBlock * g + SplitOffset(h, c, 0);
     for (int i = 0; i < MR; ++i)
-      acc[h][r][i] = _mm256_fmadd_ps(odd, _mm256_load_ps(x[i] + off), acc[h][r][i]);
+      acc[i] = _mm256_fmadd_ps(odd, _mm256_load_ps(x[i] + off), acc[i]);
     for (int i = 0; i < MR; ++i)
-      acc[h][r][i] = _mm256_fmadd_ps(even, _mm256_load_ps(x[i] + off + 8), acc[h][r][i]);
+      acc[i] = _mm256_fmadd_ps(even, _mm256_load_ps(x[i] + off + 8), acc[i]);
+  };
+  auto start = [&](int h, int r, __m256* acc) {
+    for (int i = 0; i < MR; ++i)
+      acc[i] = first ? _mm256_setzero_ps() : LoadLanes(carry, MR, NR, h, r, i);
+  };
+  auto finish = [&](int r, const __m256* low, const __m256* high) {
+    for (int i = 0; i < MR; ++i) {
+      if (last) {
+        y[i * ldy + r] = ReduceHalves(low[i], high[i]);
+      } else {
+        StoreLanes(carry, MR, NR, 0, r, i, low[i]);
+        StoreLanes(carry, MR, NR, 1, r, i, high[i]);
+      }
+    }
   };
   // Unrolled, so that the accumulators stay in registers (a runtime row index kept them on the
   // stack: 2x slower).
-  for (int64_t g = g0; g < g1; ++g) {
-    if constexpr (kOrder == ChunkOrder::kInterleaved) {
-      __m256i d[NR][2][4];
-#pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r)
-        for (int h = 0; h < 2; ++h) chunks.Decode(g, r, h, d[r][h]);
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c)
+  if constexpr (kOrder == ChunkOrder::kHalfPasses) {
+    static_assert(NR == 1, "half passes take one weight row");
+    __m256 acc[2][MR];
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
+      start(h, 0, acc[h]);
+      for (int64_t g = g0; g < g1; ++g) {
+        __m256i d[4];
+        chunks.Decode(g, 0, h, d);
 #pragma GCC unroll 4
-          for (int r = 0; r < NR; ++r) consume(g, r, h, c, d[r][h]);
-    } else {
-#pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          __m256i d[4];
-          chunks.Decode(g, r, h, d);
-#pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) consume(g, r, h, c, d);
-        }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MR; ++i) {
-      if (last) {
-        y[i * ldy + r] = ReduceHalves(acc[0][r][i], acc[1][r][i]);
-      } else {
-        for (int h = 0; h < 2; ++h) StoreLanes(carry, MR, NR, h, r, i, acc[h][r][i]);
+        for (int c = 0; c < 4; ++c) consume(g, 0, h, c, d, acc[h]);
       }
     }
+    finish(0, acc[0], acc[1]);
+  } else {
+    __m256 acc[2][NR][MR];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < NR; ++r) start(h, r, acc[h][r]);
+    for (int64_t g = g0; g < g1; ++g) {
+      if constexpr (kOrder == ChunkOrder::kInterleaved) {
+        __m256i d[NR][2][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r)
+          for (int h = 0; h < 2; ++h) chunks.Decode(g, r, h, d[r][h]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; ++r) consume(g, r, h, c, d[r][h], acc[h][r]);
+      } else {
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            __m256i d[4];
+            chunks.Decode(g, r, h, d);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) consume(g, r, h, c, d, acc[h][r]);
+          }
+      }
+    }
+    for (int r = 0; r < NR; ++r) finish(r, acc[0][r], acc[1][r]);
+  }
 }
 
-// Weight rows side by side, so that there are 2 x MR x NR >= 8 chains (at most 8 accumulators
-// in registers). Measured on Zen 3, weights in L2, K = 3584: MXFP4 at 1 operand row 4 rows in
-// row-half order ~1.1x faster than 1 row interleaved; at 2-3 operand rows one row interleaved
-// ~1.1x faster than the row-half order; bf16 interleaved 1.2x faster at 1-2 operand rows.
+// Tile shapes and orders, measured on Zen 3 (weights in L2, K = 3584, 1 thread):
+//  - 1 operand row: MXFP4 4 weight rows in row-half order ~1.1x faster than 1 row interleaved;
+//    bf16 interleaved 1.2x faster than row halves at 1-2 operand rows;
+//  - 2-4 operand rows: one MXFP4 row interleaved ~1.1x faster than row halves, and than half
+//    passes (which give fewer chains);
+//  - 5-8 operand rows: half passes, one sweep, 1.1-1.3x faster than the two sweeps of 3-4 rows
+//    each (MXFP4 5 rows 101 -> 84 us, bf16 88 -> 68 us);
+//  - 9-16 operand rows: two sweeps of half passes, MXFP4 1.3-1.5x and bf16 ~1.05x faster than
+//    the scratch path (MXFP4 10 rows 242 -> 164 us); from 20 rows on the scratch path wins.
 template <int MR>
 constexpr int kFusedBf16Rows = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
 template <int MR>
 constexpr int kFusedMxfp4Rows = MR == 1 ? 4 : 1;
 template <int MR>
-constexpr ChunkOrder kMxfp4Order = MR == 1 ? ChunkOrder::kRowHalves : ChunkOrder::kInterleaved;
-constexpr int kFusedMaxRows = 4;  // operand rows of the MXFP4 and bf16 fused paths per sweep
+constexpr ChunkOrder kBf16Order = MR <= 4 ? ChunkOrder::kInterleaved : ChunkOrder::kHalfPasses;
+template <int MR>
+constexpr ChunkOrder kMxfp4Order =
+    MR == 1 ? ChunkOrder::kRowHalves
+            : (MR <= 4 ? ChunkOrder::kInterleaved : ChunkOrder::kHalfPasses);
+constexpr int kFusedMaxRows = 8;  // operand rows of the MXFP4 and bf16 fused paths per sweep
 constexpr int kFusedSweeps = 2;   // sweeps over the weights before the scratch path pays off
 
 // MXFP4 or bf16 weights (cols a multiple of 128) decoded in registers, against MR operand rows.
@@ -789,7 +824,7 @@ void FusedRows(const WeightMatrix& w, const float* const* x, int64_t n0, int64_t
           });
   } else {
     sweep(std::integral_constant<int, kFusedBf16Rows<MR>>(),
-          std::integral_constant<ChunkOrder, ChunkOrder::kInterleaved>(),
+          std::integral_constant<ChunkOrder, kBf16Order<MR>>(),
           [&](int64_t n, auto tile_rows) {
             Bf16Chunks<decltype(tile_rows)::value> chunks;
             for (int r = 0; r < decltype(tile_rows)::value; ++r)
@@ -917,8 +952,8 @@ void DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ld
     if ((w.format == WeightFormat::kMXFP4 || w.format == WeightFormat::kBF16) && whole_blocks &&
         op.m <= kFusedSweeps * kFusedMaxRows) {
       // Up to kFusedSweeps sweeps over the weights, each with an even share of the operand rows
-      // (5 = 3 + 2): decoding a weight row again in registers costs less than storing it
-      // decoded and reading it back (Zen 3, MXFP4: 5 rows 1.7x, 8 rows 1.35x faster).
+      // (9 = 4 + 5): decoding a weight row again in registers costs less than storing it
+      // decoded and reading it back (Zen 3, MXFP4: 10 rows 1.5x, 16 rows 1.35x faster).
       uint8_t* carry;
       const float* const* x =
           SplitOperands(op, kp, scratch, CarryFloats(kFusedMaxRows) * 4, &carry);
