@@ -97,7 +97,7 @@ INSTANTIATE_TEST_SUITE_P(AllTiers, TierDotTest,
                          TierFormatName);
 
 // Single weights picked by one-hot operand rows, through every kernel path: operand rows per call
-// 1, 2, 4 (in-register decode, each chunk order), 6 (MXFP4 half passes; FP8's largest fused
+// 1, 2, 4 (in-register decode, each chunk order), 6 (MXFP4 half passes), 8 (FP8's largest fused
 // shape), 12 (two fused sweeps) and all at once (decode to scratch). Returns y[operand][weight row] in full.
 std::vector<float> OneHotProducts(const DotKernels& kernels, const WeightMatrix& w, Precision p,
                                   int64_t rows_per_call) {
@@ -140,7 +140,7 @@ TEST_P(TierCodeTest, EveryFp8CodeExactInEveryPath) {
   w.data = data.data();
   w.scales = scales.data();
   for (Precision p : {Precision::kBF16, Precision::kFP32})
-    for (int64_t per_call : {int64_t{1}, int64_t{4}, k}) {
+    for (int64_t per_call : {int64_t{1}, int64_t{4}, int64_t{8}, k}) {
       const auto y = OneHotProducts(*tier->kernels(), w, p, per_call);
       const auto portable = OneHotProducts(*PortableDotKernels(), w, p, per_call);
       for (int64_t i = 0; i < k; ++i) {

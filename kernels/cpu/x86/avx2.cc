@@ -27,7 +27,7 @@
 //    holds one.
 // Kernel shapes: for few operand rows the weights are decoded in registers and consumed at once
 // (MXFP4 and bf16: up to 8 operand rows per sweep over the weights, two sweeps for up to 16; FP8
-// up to 6), the FMA chains interleaved (ChunkOrder), with K cut into slices whose operand part stays in L1; for more, groups of weight
+// up to 8), the FMA chains interleaved (ChunkOrder), with K cut into slices whose operand part stays in L1; for more, groups of weight
 // rows are decoded into the per-thread scratch and walked in L1-sized K slices by 4 x 3 register
 // tiles (3 x 3 with FP8 block partials) over operand rows widened once per call.
 #include <immintrin.h>
@@ -874,8 +874,9 @@ inline void FusedFp8Blocks(const uint8_t* row, const float* scales, int64_t b0, 
 
 template <int MR>
 constexpr int kFusedFp8Blocks = MR <= 2 ? 4 : (MR <= 4 ? 2 : 1);
-// Up to 6 operand rows: at 5 rows ~1.15x faster than the scratch path (K = 7168).
-constexpr int kFusedFp8MaxRows = 6;
+// Up to 8 operand rows: at 5 rows ~1.15x faster than the scratch path (K = 7168), at 7-8 rows
+// 1.3-1.4x (K = 3584, weights in L2); from 9 rows on the scratch path wins (the partials spill).
+constexpr int kFusedFp8MaxRows = 8;
 
 // Row n from scratch: decoded (NaN codes included) into `row`, then one tile.
 template <int MR>
