@@ -45,7 +45,8 @@ struct Row {
   double median_ms, min_ms;
   int runs;
   int experts_touched;
-  double read_gbps;  // the best of the probes just before and just after this row's runs
+  double read_gbps;    // the best of the probes just before and just after this row's runs
+  double peak_gflops;  // the same for the compute peak
   double weight_bytes, flops, bw_ms, flop_ms, roofline_ms;
   double route_ms, experts_ms, shared_ms, finish_ms;  // stage split of the median run
 };
@@ -97,7 +98,6 @@ absl::Status RunLayer(const LayerOptions& opt) {
   const std::string tier = backend.kernels().name;
   const bench::Roofline roof = bench::MeasureRoofline(backend.num_threads(), opt.buffer_gb, tier,
                                                       precision == Precision::kBF16, opt.gemm);
-  const double peak = roof.peak_gflops;
 
   std::fprintf(stderr, "moe-bench: loading layer %d of %s...\n", layer, opt.checkpoint.c_str());
   const auto t_load = std::chrono::steady_clock::now();
@@ -115,11 +115,17 @@ absl::Status RunLayer(const LayerOptions& opt) {
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
 
-  // The host's bandwidth changes from minute to minute, so each row is compared with the
-  // bandwidth measured right around its own runs.
+  // The host's bandwidth and compute peak change from minute to minute (on a 2-vCPU guest the
+  // FMA peak of two threads was seen to halve while the hypervisor shared one core between the
+  // vCPUs), so each row is compared with both measured right around its own runs.
   bench::ReadProbe read_probe(backend.num_threads(),
                               static_cast<size_t>(opt.buffer_gb * (1 << 30)));
   double gbps_before = read_probe.Measure(3);
+  auto measure_peak = [&] {
+    return bench::MeasureComputePeak(backend.num_threads(), tier, precision == Precision::kBF16,
+                                     nullptr);
+  };
+  double peak_before = measure_peak();
   std::vector<Row> rows;
   std::mt19937 rng(1234);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -150,6 +156,9 @@ absl::Status RunLayer(const LayerOptions& opt) {
     const double gbps_after = read_probe.Measure(3);  // also the next row's "before"
     r.read_gbps = std::max(gbps_before, gbps_after);
     gbps_before = gbps_after;
+    const double peak_after = measure_peak();
+    r.peak_gflops = std::max(peak_before, peak_after);
+    peak_before = peak_after;
     r.tokens = T;
     r.median_ms = ms[ms.size() / 2];
     r.min_ms = ms.front();
@@ -164,7 +173,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
     r.flops = static_cast<double>(T) * dense.flops_per_token +
               static_cast<double>(routing.ids.size()) * expert_flops_per_assignment;
     r.bw_ms = 1e3 * r.weight_bytes / (r.read_gbps * 1e9);
-    r.flop_ms = peak > 0 ? 1e3 * r.flops / (peak * 1e9) : 0;
+    r.flop_ms = r.peak_gflops > 0 ? 1e3 * r.flops / (r.peak_gflops * 1e9) : 0;
     r.roofline_ms = std::max(r.bw_ms, r.flop_ms);
     rows.push_back(r);
     std::fprintf(stderr, "  %5lld tokens: %.2f ms (median of %d)\n", static_cast<long long>(T),
@@ -178,21 +187,24 @@ absl::Status RunLayer(const LayerOptions& opt) {
               WeightFormatName(config.expert_format), opt.dtype.c_str(), backend.name().c_str(),
               load_s);
   std::printf(
-      "machine: streaming read %.1f GB/s at start (%s loads; each row: the best probe around its "
-      "runs); compute peak %.0f GFLOP/s (%s, the %s tier's multiply-add, %d threads); GEMM "
+      "machine: streaming read %.1f GB/s at start (%s loads); compute peak %.0f GFLOP/s at start "
+      "(%s, the %s tier's multiply-add, %d threads); each row: the best probes around its runs; "
+      "GEMM "
       "library %.0f GFLOP/s bf16, %.0f fp32 (%s, for reference)\n",
       roof.read_gbps, roof.read_kernel.c_str(), roof.peak_gflops, roof.peak_source.c_str(),
       tier.c_str(), backend.num_threads(), roof.bf16_gflops, roof.fp32_gflops,
       roof.gemm_source.c_str());
-  std::printf("%7s %12s %10s %10s %8s %10s %9s %9s %10s %10s %11s %9s   %s\n", "tokens", "tier",
-              "median ms", "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s", "bw ms",
-              "flop ms", "roofline ms", "x roof", "route / experts / shared / finish ms");
+  std::printf("%7s %12s %10s %10s %8s %10s %9s %9s %9s %10s %10s %11s %9s   %s\n", "tokens",
+              "tier", "median ms", "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s",
+              "peak GF/s", "bw ms", "flop ms", "roofline ms", "x roof",
+              "route / experts / shared / finish ms");
   for (const Row& r : rows)
     std::printf(
-        "%7lld %12s %10.2f %10.0f %8d %10.3f %9.2f %9.1f %10.2f %10.2f %11.2f %9.2f   %.1f / %.1f "
-        "/ %.1f / %.1f\n",
+        "%7lld %12s %10.2f %10.0f %8d %10.3f %9.2f %9.1f %9.0f %10.2f %10.2f %11.2f %9.2f   %.1f / "
+        "%.1f / %.1f / %.1f\n",
         static_cast<long long>(r.tokens), tier.c_str(), r.median_ms, r.tokens / (r.median_ms / 1e3),
-        r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.read_gbps, r.bw_ms, r.flop_ms,
+        r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.read_gbps, r.peak_gflops,
+        r.bw_ms, r.flop_ms,
         r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms,
         r.finish_ms);
 
@@ -213,13 +225,13 @@ absl::Status RunLayer(const LayerOptions& opt) {
       out << absl::StrFormat(
           "%s{\"tokens\": %d, \"tier\": \"%s\", \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": "
           "%d, "
-          "\"experts_touched\": %d, \"read_gbps\": %.3f, "
+          "\"experts_touched\": %d, \"read_gbps\": %.3f, \"peak_gflops\": %.3f, "
           "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
           "\"roofline_ms\": %.4f, "
           "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
           "\"finish_ms\": %.3f}",
           i ? ", " : "", r.tokens, tier, r.median_ms, r.min_ms, r.runs, r.experts_touched,
-          r.read_gbps, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms,
+          r.read_gbps, r.peak_gflops, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms,
           r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms);
     }
     out << "]}\n";
