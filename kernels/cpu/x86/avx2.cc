@@ -589,19 +589,6 @@ const float* const* SplitOperands(const DotOperands& op, int64_t kp, DotScratch*
   return xp;
 }
 
-// Adds half a block of one weight row, split (odd[c], even[c] of chunks 0..3, in order), to MR
-// accumulators: per chunk the odd elements' FMA, then the even ones'.
-template <int MR>
-inline void AccumulateSplitHalf(const __m256 (&odd)[4], const __m256 (&even)[4],
-                                const float* const* x, int64_t off, __m256* acc) {
-#pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c)
-    for (int i = 0; i < MR; ++i) {
-      acc[i] = _mm256_fmadd_ps(odd[c], _mm256_load_ps(x[i] + off + 16 * c), acc[i]);
-      acc[i] = _mm256_fmadd_ps(even[c], _mm256_load_ps(x[i] + off + 16 * c + 8), acc[i]);
-    }
-}
-
 // ---- K slices for the fused paths ------------------------------------------------------------
 
 // The fused paths stream each weight row once past the operand rows. Unsliced, more than a few
