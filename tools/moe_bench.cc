@@ -189,24 +189,21 @@ absl::Status RunLayer(const LayerOptions& opt) {
   std::printf(
       "machine: streaming read %.1f GB/s at start (%s loads); compute peak %.0f GFLOP/s at start "
       "(%s, the %s tier's multiply-add, %d threads); each row: the best probes around its runs; "
-      "GEMM "
-      "library %.0f GFLOP/s bf16, %.0f fp32 (%s, for reference)\n",
+      "GEMM library %.0f GFLOP/s bf16, %.0f fp32 (%s, for reference)\n",
       roof.read_gbps, roof.read_kernel.c_str(), roof.peak_gflops, roof.peak_source.c_str(),
       tier.c_str(), backend.num_threads(), roof.bf16_gflops, roof.fp32_gflops,
       roof.gemm_source.c_str());
-  std::printf("%7s %12s %10s %10s %8s %10s %9s %9s %9s %10s %10s %11s %9s   %s\n", "tokens",
-              "tier", "median ms", "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s",
-              "peak GF/s", "bw ms", "flop ms", "roofline ms", "x roof",
-              "route / experts / shared / finish ms");
+  std::printf("%7s %12s %10s %10s %8s %10s %9s %9s %9s %10s %10s %11s %9s   %s\n", "tokens", "tier",
+              "median ms", "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s", "peak GF/s",
+              "bw ms", "flop ms", "roofline ms", "x roof", "route / experts / shared / finish ms");
   for (const Row& r : rows)
     std::printf(
         "%7lld %12s %10.2f %10.0f %8d %10.3f %9.2f %9.1f %9.0f %10.2f %10.2f %11.2f %9.2f   %.1f / "
         "%.1f / %.1f / %.1f\n",
         static_cast<long long>(r.tokens), tier.c_str(), r.median_ms, r.tokens / (r.median_ms / 1e3),
-        r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.read_gbps, r.peak_gflops,
-        r.bw_ms, r.flop_ms,
-        r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms,
-        r.finish_ms);
+        r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.read_gbps, r.peak_gflops, r.bw_ms,
+        r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms,
+        r.shared_ms, r.finish_ms);
 
   if (!opt.json.empty()) {
     std::ofstream out(opt.json);

@@ -98,7 +98,8 @@ INSTANTIATE_TEST_SUITE_P(AllTiers, TierDotTest,
 
 // Single weights picked by one-hot operand rows, through every kernel path: operand rows per call
 // 1, 2, 4 (in-register decode, each chunk order), 6 (MXFP4 half passes), 8 (FP8's largest fused
-// shape), 12 (two fused sweeps) and all at once (decode to scratch). Returns y[operand][weight row] in full.
+// shape), 12 (two fused sweeps) and all at once (decode to scratch). Returns y[operand][weight row]
+// in full.
 std::vector<float> OneHotProducts(const DotKernels& kernels, const WeightMatrix& w, Precision p,
                                   int64_t rows_per_call) {
   const int64_t k = w.cols;

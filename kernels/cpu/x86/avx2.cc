@@ -27,9 +27,10 @@
 //    holds one.
 // Kernel shapes: for few operand rows the weights are decoded in registers and consumed at once
 // (MXFP4 and bf16: up to 8 operand rows per sweep over the weights, two sweeps for up to 16; FP8
-// up to 8), the FMA chains interleaved (ChunkOrder), with K cut into slices whose operand part stays in L1; for more, groups of weight
-// rows are decoded into the per-thread scratch and walked in L1-sized K slices by 4 x 3 register
-// tiles (3 x 3 with FP8 block partials) over operand rows widened once per call.
+// up to 8), the FMA chains interleaved (ChunkOrder), with K cut into slices whose operand part
+// stays in L1; for more, groups of weight rows are decoded into the per-thread scratch and walked
+// in L1-sized K slices by 4 x 3 register tiles (3 x 3 with FP8 block partials) over operand rows
+// widened once per call.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -693,8 +694,7 @@ void FusedTile(const Chunks& chunks, const float* const* x, int64_t g0, int64_t 
     __m256 odd, even;
     chunks.Chunk(g, r, h, c, d, &odd, &even);
     const int64_t off = kBlock * g + SplitOffset(h, c, 0);
-    for (int i = 0; i < MR; ++i)
-      acc[i] = _mm256_fmadd_ps(odd, _mm256_load_ps(x[i] + off), acc[i]);
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(odd, _mm256_load_ps(x[i] + off), acc[i]);
     for (int i = 0; i < MR; ++i)
       acc[i] = _mm256_fmadd_ps(even, _mm256_load_ps(x[i] + off + 8), acc[i]);
   };
@@ -776,9 +776,9 @@ constexpr int kFusedMxfp4Rows = MR == 1 ? 4 : 1;
 template <int MR>
 constexpr ChunkOrder kBf16Order = MR <= 4 ? ChunkOrder::kInterleaved : ChunkOrder::kHalfPasses;
 template <int MR>
-constexpr ChunkOrder kMxfp4Order =
-    MR == 1 ? ChunkOrder::kRowHalves
-            : (MR <= 4 ? ChunkOrder::kInterleaved : ChunkOrder::kHalfPasses);
+constexpr ChunkOrder kMxfp4Order = MR == 1 ? ChunkOrder::kRowHalves
+                                           : (MR <= 4 ? ChunkOrder::kInterleaved
+                                                      : ChunkOrder::kHalfPasses);
 constexpr int kFusedMaxRows = 8;  // operand rows of the MXFP4 and bf16 fused paths per sweep
 constexpr int kFusedSweeps = 2;   // sweeps over the weights before the scratch path pays off
 
@@ -811,8 +811,7 @@ void FusedRows(const WeightMatrix& w, const float* const* x, int64_t n0, int64_t
           });
   } else {
     sweep(std::integral_constant<int, kFusedBf16Rows<MR>>(),
-          std::integral_constant<ChunkOrder, kBf16Order<MR>>(),
-          [&](int64_t n, auto tile_rows) {
+          std::integral_constant<ChunkOrder, kBf16Order<MR>>(), [&](int64_t n, auto tile_rows) {
             Bf16Chunks<decltype(tile_rows)::value> chunks;
             for (int r = 0; r < decltype(tile_rows)::value; ++r)
               chunks.rows[r] = static_cast<const uint16_t*>(w.data) + (n + r) * w.cols;
