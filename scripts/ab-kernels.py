@@ -81,7 +81,7 @@ def main():
             sys.exit(f"ab-kernels: unknown format '{f}' (one of {', '.join(FORMATS)})")
 
     base, new = defaultdict(list), defaultdict(list)
-    wins, rounds = defaultdict(int), defaultdict(int)
+    wins = defaultdict(int)
     for r in range(args.rounds):
         # Alternate which binary goes first, so neither always runs right after the other.
         order = [("base", args.base), ("new", args.new)]
@@ -93,7 +93,6 @@ def main():
                 continue
             base[key].append(t)
             new[key].append(got["new"][key])
-            rounds[key] += 1
             wins[key] += got["new"][key] < t
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
@@ -104,15 +103,17 @@ def main():
           f"{'new min':>9} {'q1':>9} {'median':>9} | {'new/base':>8} {'wins':>6} {'p':>6}  verdict")
     for key in sorted(base, key=lambda k: (FORMATS.index(k[0]), k[1])):
         b, n = sorted(base[key]), sorted(new[key])
+        rounds = len(b)
         ratio = quantile(n, 0.5) / quantile(b, 0.5)
-        p = sign_test_p(wins[key], rounds[key])
+        p = sign_test_p(wins[key], rounds)
         verdict = "unclear"
-        if p < 0.05:
-            verdict = "faster" if wins[key] * 2 > rounds[key] and ratio < 1 else (
-                "slower" if wins[key] * 2 < rounds[key] and ratio > 1 else "unclear")
+        if p < 0.05 and ratio < 1 and wins[key] * 2 > rounds:
+            verdict = "faster"
+        elif p < 0.05 and ratio > 1 and wins[key] * 2 < rounds:
+            verdict = "slower"
         print(f"{key[0]:>6} {key[1]:>3} | {b[0]:9.1f} {quantile(b, 0.25):9.1f} "
               f"{quantile(b, 0.5):9.1f} | {n[0]:9.1f} {quantile(n, 0.25):9.1f} "
-              f"{quantile(n, 0.5):9.1f} | {ratio:8.3f} {wins[key]:>3}/{rounds[key]:<2} {p:6.3f}  "
+              f"{quantile(n, 0.5):9.1f} | {ratio:8.3f} {wins[key]:>3}/{rounds:<2} {p:6.3f}  "
               f"{verdict}")
     print("times in us per matrix; wins: rounds in which new was faster than base; p: two-sided "
           "sign test")
