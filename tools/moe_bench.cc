@@ -175,6 +175,13 @@ absl::Status RunLayer(const LayerOptions& opt) {
     r.bw_ms = 1e3 * r.weight_bytes / (r.read_gbps * 1e9);
     r.flop_ms = r.peak_gflops > 0 ? 1e3 * r.flops / (r.peak_gflops * 1e9) : 0;
     r.roofline_ms = std::max(r.bw_ms, r.flop_ms);
+    // No run can do more FLOPs per second than the machine; one that did shows that the probe
+    // did not measure the peak (as the zmm probes once did, their accumulators on the stack).
+    if (r.min_ms < r.flop_ms)
+      std::fprintf(stderr,
+                   "moe-bench: warning: %lld tokens ran at %.0f GFLOP/s, above the probed peak of "
+                   "%.0f: the probe is wrong and this row's roofline ms overstated\n",
+                   static_cast<long long>(T), r.flops / (r.min_ms * 1e6), r.peak_gflops);
     rows.push_back(r);
     std::fprintf(stderr, "  %5lld tokens: %.2f ms (median of %d)\n", static_cast<long long>(T),
                  r.median_ms, r.runs);
