@@ -116,7 +116,6 @@ __attribute__((target("avx512f,avx512bf16"))) float Bf16DotLoopZmm(int64_t iters
 // Scalar FMAs through libm (what the portable kernels run).
 float FmaLoopScalar(int64_t iters) {
   float acc[kChains];
-#pragma GCC unroll 12
   for (int c = 0; c < kChains; ++c) acc[c] = 1.0f + 0.001f * static_cast<float>(c);
   for (int64_t i = 0; i < iters; ++i)
     for (float& v : acc) v = __builtin_fmaf(v, 0.9999999f, 1e-7f);
