@@ -604,11 +604,11 @@ constexpr int kFusedGroupRows = 16;  // weight rows that sweep one slice before 
 // [n0, n1) and K slices [k0, k1) (multiples of kBlock); `carry` holds the tile's lanes between its
 // slices (kCarryPerRow floats per weight row). With more than one slice a group's rows are read
 // in chunks a row apart, which the hardware prefetcher does not follow: the next group's stored
-// bytes are requested into L2 during this group's sweep instead (bf16 at 4 operand rows of K =
-// 7168 streamed ~3x slower without).
+// bytes (rows before `prefetch_end`) are requested into L2 during this group's sweep instead
+// (bf16 at 4 operand rows of K = 7168 streamed ~3x slower without).
 template <int MR, int NR, typename Tile>
-void SlicedRows(const WeightMatrix& w, int64_t n0, int64_t n1, int64_t carry_per_row, float* carry,
-                Tile&& tile) {
+void SlicedRows(const WeightMatrix& w, int64_t n0, int64_t n1, int64_t prefetch_end,
+                int64_t carry_per_row, float* carry, Tile&& tile) {
   const int64_t kp = PaddedK(w.cols);
   const int64_t kc = std::max<int64_t>(
       kBlock, std::min<int64_t>(kp, kFusedOperandBytes / (4 * MR) / kBlock * kBlock));
@@ -617,7 +617,7 @@ void SlicedRows(const WeightMatrix& w, int64_t n0, int64_t n1, int64_t carry_per
     const int64_t ne = std::min<int64_t>(n1, nb + kFusedGroupRows);
     PrefetchCursor prefetch;
     if (slices > 1)
-      prefetch = PrefetchCursor::Rows(w, ne, std::min<int64_t>(kFusedGroupRows, n1 - ne),
+      prefetch = PrefetchCursor::Rows(w, ne, std::min<int64_t>(kFusedGroupRows, prefetch_end - ne),
                                       slices * ((ne - nb + NR - 1) / NR));
     for (int64_t k0 = 0; k0 < kp; k0 += kc) {
       const int64_t k1 = std::min(kp, k0 + kc);
@@ -784,13 +784,13 @@ constexpr int kFusedSweeps = 2;   // sweeps over the weights before the scratch 
 
 // MXFP4 or bf16 weights (cols a multiple of 128) decoded in registers, against MR operand rows.
 template <int MR>
-void FusedRows(const WeightMatrix& w, const float* const* x, int64_t n0, int64_t n1, float* y,
-               int64_t ldy, float* carry) {
+void FusedRows(const WeightMatrix& w, const float* const* x, int64_t n0, int64_t n1,
+               int64_t prefetch_end, float* y, int64_t ldy, float* carry) {
   // Tiles of up to NR weight rows; chunks_of(n, nr) gives row n's tile source.
   auto sweep = [&](auto rows_tag, auto order_tag, auto&& chunks_of) {
     constexpr int kNr = decltype(rows_tag)::value;
     SlicedRows<MR, kNr>(
-        w, n0, n1, CarryPerRow(MR), carry,
+        w, n0, n1, prefetch_end, CarryPerRow(MR), carry,
         [&](int64_t n, int nr, int64_t k0, int64_t k1, float* c, bool first, bool last) {
           WithCount<kNr>(nr, [&](auto tile_rows) {
             auto chunks = chunks_of(n, tile_rows);
@@ -890,7 +890,7 @@ void FusedFp8Rows(const WeightMatrix& w, const float* const* x, int64_t n0, int6
                   int64_t ldy, uint8_t* rows_buf, float* carry) {
   const int64_t kp = PaddedK(w.cols);
   constexpr int kNb = kFusedFp8Blocks<MR>;
-  SlicedRows<MR, 1>(w, n0, n1, CarryPerRow(MR) + 8, carry,
+  SlicedRows<MR, 1>(w, n0, n1, n1, CarryPerRow(MR) + 8, carry,
                     [&](int64_t n, int, int64_t k0, int64_t k1, float* c, bool first, bool last) {
                       const uint8_t* row = static_cast<const uint8_t*>(w.data) + n * w.cols;
                       if (w.cols != kp) {
@@ -944,18 +944,27 @@ void DotRows(const DotOperands& op, int64_t n0, int64_t n1, float* y, int64_t ld
         op.m <= kFusedSweeps * kFusedMaxRows) {
       // Up to kFusedSweeps sweeps over the weights, each with an even share of the operand rows
       // (9 = 4 + 5): decoding a weight row again in registers costs less than storing it
-      // decoded and reading it back (Zen 3, MXFP4: 10 rows 1.5x, 16 rows 1.35x faster).
+      // decoded and reading it back (Zen 3, MXFP4: 10 rows 1.5x, 16 rows 1.35x faster). The
+      // sweeps take turns per group of weight rows, so that the later ones find the group in L2
+      // and the stored weights cross the memory bus once (sweeping the whole range per share of
+      // rows read a streamed matrix from DRAM once per sweep).
       uint8_t* carry;
       const float* const* x =
           SplitOperands(op, kp, scratch, CarryFloats(kFusedMaxRows) * 4, &carry);
       const int sweeps = (m + kFusedMaxRows - 1) / kFusedMaxRows;
-      for (int i0 = 0, sweep = 0; sweep < sweeps; ++sweep) {
-        const int rows = (m - i0) / (sweeps - sweep);
-        WithCount<kFusedMaxRows>(rows, [&](auto tag) {
-          FusedRows<decltype(tag)::value>(w, x + i0, n0, n1, y + i0 * ldy, ldy,
-                                          reinterpret_cast<float*>(carry));
-        });
-        i0 += rows;
+      const int64_t group = sweeps == 1 ? n1 - n0 : kFusedGroupRows;
+      for (int64_t nb = n0; nb < n1; nb += group) {
+        const int64_t ne = std::min(n1, nb + group);
+        for (int i0 = 0, sweep = 0; sweep < sweeps; ++sweep) {
+          const int rows = (m - i0) / (sweeps - sweep);
+          WithCount<kFusedMaxRows>(rows, [&](auto tag) {
+            // Only the first sweep of a group requests the next group's bytes.
+            FusedRows<decltype(tag)::value>(w, x + i0, nb, ne, sweep == 0 ? n1 : ne,
+                                            y + i0 * ldy + (nb - n0), ldy,
+                                            reinterpret_cast<float*>(carry));
+          });
+          i0 += rows;
+        }
       }
       return;
     }
