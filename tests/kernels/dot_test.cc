@@ -177,6 +177,32 @@ TEST_P(TierCodeTest, Fp8NanCodeInAnEarlySliceMakesItsRowNaN) {
     }
 }
 
+// Operand elements at the top of the bf16 range keep the portable bits in every path: the
+// fused FP8 path multiplies its operand rows by 256 (its weights then decode as value * 2^-8),
+// which is exact below 2^120 and would overflow from there (those calls take the scratch path).
+TEST_P(TierCodeTest, Fp8HugeOperandsKeepThePortableBits) {
+  const CpuTier* tier = GetParam();
+  MOE_SKIP_UNLESS_HOST_RUNS(tier);
+  const int64_t k = 640, n = 5;
+  RandomWeight w(WeightFormat::kFP8Block128, n, k, 11);
+  const float kHuge[] = {std::ldexp(1.5f, 119),  // bf16 exponent field 246: x * 256 finite
+                         std::ldexp(1.0f, 120),  // 247: x * 256 would overflow
+                         std::ldexp(1.5f, 126), std::ldexp(255.0f / 128, 127),  // 253, 254 (max)
+                         INFINITY, -NAN};
+  for (int64_t m = 1; m <= 9; ++m)
+    for (const float huge : kHuge) {
+      auto x = RandomActivations(m, k, static_cast<uint32_t>(m + 100), true);
+      x[(m - 1) * k + 300] = -huge;  // the last operand row only: the others keep their bits
+      const PackedRows packed = PackRows(x, m, k, w.view.format, Precision::kBF16);
+      const auto want = RunDot(*PortableDotKernels(), packed, m, w.view, Precision::kBF16);
+      const auto got = RunDot(*tier->kernels(), packed, m, w.view, Precision::kBF16);
+      for (size_t e = 0; e < want.size(); ++e)
+        ASSERT_TRUE(SameBits(got[e], want[e]))
+            << "m=" << m << " x=" << -huge << " y[" << e / n << "][" << e % n << "] = " << got[e]
+            << ", portable " << want[e];
+    }
+}
+
 // Every E2M1 code under the edge E8M0 scales the CPU backend accepts ([2, 252]) and around 127,
 // exact in every path and precision, for a whole 128-group and a partial one (96 columns).
 TEST_P(TierCodeTest, EveryMxfp4CodeAndScaleEdgeExactInEveryPath) {
