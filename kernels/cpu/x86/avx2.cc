@@ -281,7 +281,9 @@ inline __m256i LoadFp8Bytes(const uint8_t* row, int64_t cols, int64_t k) {
 // lanes) in the split layout. Word k of each 128-bit lane holds the bytes of run k / 4, elements
 // 2(k % 4) and 2(k % 4) + 1: the even byte shifted into the high byte, and the odd one already
 // there, become fp16 words by an arithmetic shift and a mask; a quadword permute puts each run's
-// lanes 0-3 (L = 2h) beside its lanes 4-7 (L = 2h + 1). kOver256: the values * 2^-8.
+// lanes 0-3 (L = 2h) beside its lanes 4-7 (L = 2h + 1). The permute moves whole words, which the
+// shifts and masks treat alike, so it runs once on the stored bytes rather than on both results.
+// kOver256: the values * 2^-8.
 template <bool kOver256>
 inline __m256 Fp8Value(__m128i half) {
   return kOver256 ? HalfToFp8ValueOver256(half) : HalfToFp8Value(half);
@@ -289,10 +291,9 @@ inline __m256 Fp8Value(__m128i half) {
 template <bool kOver256 = false>
 inline void Fp8SplitRuns(__m256i half, __m256 odd[2], __m256 even[2]) {
   const __m256i clear = _mm256_set1_epi16(static_cast<short>(0xBF80));
-  const __m256i e = _mm256_permute4x64_epi64(
-      _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(half, 8), 1), clear), 0xD8);
-  const __m256i o =
-      _mm256_permute4x64_epi64(_mm256_and_si256(_mm256_srai_epi16(half, 1), clear), 0xD8);
+  const __m256i runs = _mm256_permute4x64_epi64(half, 0xD8);
+  const __m256i e = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(runs, 8), 1), clear);
+  const __m256i o = _mm256_and_si256(_mm256_srai_epi16(runs, 1), clear);
   even[0] = Fp8Value<kOver256>(_mm256_castsi256_si128(e));
   even[1] = Fp8Value<kOver256>(_mm256_extracti128_si256(e, 1));
   odd[0] = Fp8Value<kOver256>(_mm256_castsi256_si128(o));
