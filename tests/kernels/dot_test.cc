@@ -185,10 +185,12 @@ TEST_P(TierCodeTest, Fp8HugeOperandsKeepThePortableBits) {
   MOE_SKIP_UNLESS_HOST_RUNS(tier);
   const int64_t k = 640, n = 5;
   RandomWeight w(WeightFormat::kFP8Block128, n, k, 11);
-  const float kHuge[] = {std::ldexp(1.5f, 119),  // bf16 exponent field 246: x * 256 finite
-                         std::ldexp(1.0f, 120),  // 247: x * 256 would overflow
-                         std::ldexp(1.5f, 126), std::ldexp(255.0f / 128, 127),  // 253, 254 (max)
-                         INFINITY, -NAN};
+  const float kHuge[] = {std::ldexp(1.5f, 119),          // bf16 exponent field 246: x * 256 finite
+                         std::ldexp(1.0f, 120),          // 247: x * 256 would overflow
+                         std::ldexp(1.5f, 126),          // 253
+                         std::ldexp(255.0f / 128, 127),  // 254: the largest finite bf16
+                         INFINITY,
+                         -NAN};
   for (int64_t m = 1; m <= 9; ++m)
     for (const float huge : kHuge) {
       auto x = RandomActivations(m, k, static_cast<uint32_t>(m + 100), true);

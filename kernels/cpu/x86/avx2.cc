@@ -110,8 +110,9 @@ bool SplitOperandRowTimes256(const uint16_t* x, int64_t kp, float* out) {
         const __m256i v =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b + 32 * c + 16 * h));
         const __m256i field = _mm256_and_si256(v, exponent);  // ... but not 255 (inf, NaN)
-        overflow = _mm256_or_si256(overflow, _mm256_andnot_si256(_mm256_cmpeq_epi16(field, exponent),
-                                                                 _mm256_cmpgt_epi16(field, below)));
+        overflow =
+            _mm256_or_si256(overflow, _mm256_andnot_si256(_mm256_cmpeq_epi16(field, exponent),
+                                                          _mm256_cmpgt_epi16(field, below)));
         _mm256_store_ps(out + b + SplitOffset(h, c, 0), _mm256_mul_ps(OddElements(v), times));
         _mm256_store_ps(out + b + SplitOffset(h, c, 1), _mm256_mul_ps(EvenElements(v), times));
       }
@@ -245,11 +246,12 @@ inline __m256i Fp8WordsToHalf(__m256i words) {
   return _mm256_and_si256(_mm256_srai_epi16(words, 1),
                           _mm256_set1_epi16(static_cast<short>(0xBFFF)));
 }
+// kOver256 (the fused path, whose operand rows carry the * 256): the value * 2^-8.
+template <bool kOver256 = false>
 inline __m256 HalfToFp8Value(__m128i half) {
-  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+  const __m256 over256 = _mm256_cvtph_ps(half);
+  return kOver256 ? over256 : _mm256_mul_ps(over256, _mm256_set1_ps(256.0f));
 }
-// The fused path's decode: the value * 2^-8 (its operand rows carry the * 256).
-inline __m256 HalfToFp8ValueOver256(__m128i half) { return _mm256_cvtph_ps(half); }
 
 // Whether 32 stored bytes hold the NaN code (S.1111.111).
 inline bool HasFp8Nan(__m256i bytes) {
@@ -284,20 +286,16 @@ inline __m256i LoadFp8Bytes(const uint8_t* row, int64_t cols, int64_t k) {
 // lanes 0-3 (L = 2h) beside its lanes 4-7 (L = 2h + 1). The permute moves whole words, which the
 // shifts and masks treat alike, so it runs once on the stored bytes rather than on both results.
 // kOver256: the values * 2^-8.
-template <bool kOver256>
-inline __m256 Fp8Value(__m128i half) {
-  return kOver256 ? HalfToFp8ValueOver256(half) : HalfToFp8Value(half);
-}
 template <bool kOver256 = false>
 inline void Fp8SplitRuns(__m256i half, __m256 odd[2], __m256 even[2]) {
   const __m256i clear = _mm256_set1_epi16(static_cast<short>(0xBF80));
   const __m256i runs = _mm256_permute4x64_epi64(half, 0xD8);
   const __m256i e = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(runs, 8), 1), clear);
   const __m256i o = _mm256_and_si256(_mm256_srai_epi16(runs, 1), clear);
-  even[0] = Fp8Value<kOver256>(_mm256_castsi256_si128(e));
-  even[1] = Fp8Value<kOver256>(_mm256_extracti128_si256(e, 1));
-  odd[0] = Fp8Value<kOver256>(_mm256_castsi256_si128(o));
-  odd[1] = Fp8Value<kOver256>(_mm256_extracti128_si256(o, 1));
+  even[0] = HalfToFp8Value<kOver256>(_mm256_castsi256_si128(e));
+  even[1] = HalfToFp8Value<kOver256>(_mm256_extracti128_si256(e, 1));
+  odd[0] = HalfToFp8Value<kOver256>(_mm256_castsi256_si128(o));
+  odd[1] = HalfToFp8Value<kOver256>(_mm256_extracti128_si256(o, 1));
 }
 
 // Folds where 32 stored bytes hold the NaN code (S.1111.111) into `acc`: 0x7F is the largest
