@@ -887,8 +887,9 @@ inline void FusedFp8Blocks(const uint8_t* row, const float* scales, int64_t b0, 
     }
   };
   // With up to 4 operand rows the blocks take turns at each 32 bytes, so that the scheduler
-  // sees every block's chains close together (Zen 4, weights in L2: 1-4 rows 1.02-1.04x faster;
-  // 5-6 rows, 10-12 partials, 1.02-1.05x slower so).
+  // sees every block's chains close together (Zen 4, weights in L2, medians: K = 3584 1-2 rows
+  // 1.02-1.05x faster, 3-4 rows ~1.02x by the min; K = 7168 1-4 rows 1.04-1.08x; 5-6 rows,
+  // 10-12 partials, 1.02-1.05x slower so).
   if constexpr (MR <= 4) {
 #pragma GCC unroll 2
     for (int g = 0; g < 2; ++g)
