@@ -7,7 +7,12 @@
 // Figure of merit: time / max(bytes / read bandwidth, FLOPs / compute peak), where bytes are the
 // weights a step must read (distinct experts touched + router, projections, shared experts) and
 // the compute peak is that of the multiply-add instruction the CPU kernel tier computes with.
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -19,6 +24,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "core/flags.h"
 #include "core/status.h"
@@ -75,6 +81,18 @@ DenseCost DenseParts(const GatewayLayerWeights& w, const MoeConfig& c) {
   }
   (void)c;
   return d;
+}
+
+// Runs `gnuplot script` without a shell (the path may hold any character); true if it
+// exited 0.
+bool RunGnuplot(const std::string& script) {
+  char* argv[] = {const_cast<char*>("gnuplot"), const_cast<char*>(script.c_str()), nullptr};
+  pid_t pid;
+  if (posix_spawnp(&pid, "gnuplot", nullptr, nullptr, argv, environ) != 0) return false;
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 absl::Status RunLayer(const LayerOptions& opt) {
@@ -249,18 +267,23 @@ absl::Status RunLayer(const LayerOptions& opt) {
           << r.flop_ms << "\n";
     }
     std::ofstream g(script);
+    // gnuplot's single-quoted strings take a quote as two; paths and the label may hold one.
+    auto quoted = [](const std::string& s) {
+      return absl::StrCat("'", absl::StrReplaceAll(s, {{"'", "''"}}), "'");
+    };
     // noenhanced: "kimi_k3" is a name, not k3 as a subscript.
     g << "set terminal pngcairo size 900,560 font ',11'\nset termoption noenhanced\n"
-      << "set output '" << opt.plot << "'\n"
-      << "set title '" << name << ": time vs roofline (" << backend.name() << ")'\n"
+      << "set output " << quoted(opt.plot) << "\n"
+      << "set title " << quoted(absl::StrCat(name, ": time vs roofline (", backend.name(), ")"))
+      << "\n"
       << "set logscale xy\nset xlabel 'tokens per step'\nset ylabel 'ms'\nset grid\nset key top "
          "left\n"
-      << "plot '" << data << "' u 1:2 w lp lw 2 pt 7 t 'measured (median)', "
-      << "'" << data << "' u 1:3 w l lw 2 dt 2 t 'roofline max(bytes/BW, FLOPs/peak)', "
-      << "'" << data << "' u 1:4 w l lw 1 dt 3 t 'weights / read BW', "
-      << "'" << data << "' u 1:5 w l lw 1 dt 4 t 'FLOPs / compute peak'\n";
+      << "plot " << quoted(data) << " u 1:2 w lp lw 2 pt 7 t 'measured (median)', " << quoted(data)
+      << " u 1:3 w l lw 2 dt 2 t 'roofline max(bytes/BW, FLOPs/peak)', " << quoted(data)
+      << " u 1:4 w l lw 1 dt 3 t 'weights / read BW', " << quoted(data)
+      << " u 1:5 w l lw 1 dt 4 t 'FLOPs / compute peak'\n";
     g.close();
-    if (std::system(absl::StrCat("gnuplot ", script).c_str()) != 0)
+    if (!RunGnuplot(script))
       std::fprintf(stderr, "moe-bench: gnuplot failed; data in %s\n", data.c_str());
   }
   return absl::OkStatus();

@@ -22,13 +22,24 @@ def main() -> int:
         subprocess.run([f"{BIN}/moe-ckpt", "--preset", "k3-mini", "--layers", "1", "--out", ckpt],
                        check=True, capture_output=True)
         out_json = os.path.join(tmp, "bench.json")
+        # The chart too (gnuplot-nox is a declared dependency), with a quote in the label and in
+        # the path, which gnuplot's quoted strings must escape.
+        plot_dir = os.path.join(tmp, "it's here")
+        os.mkdir(plot_dir)
+        out_png = os.path.join(plot_dir, "bench.png")
         run = subprocess.run(
             [f"{BIN}/moe-bench", "layer", "--checkpoint", ckpt, "--tokens", "1,3,257",
-             "--repeat", "3", "--threads", "2", "--buffer-gb", "0.25", "--json", out_json],
+             "--repeat", "3", "--threads", "2", "--buffer-gb", "0.25", "--json", out_json,
+             "--plot", out_png, "--label", "k3-mini's layer"],
             check=True, capture_output=True, text=True, timeout=600)
         table = run.stdout
         with open(out_json) as f:
             res = json.load(f)
+        assert "gnuplot failed" not in run.stderr, run.stderr
+        with open(out_png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", out_png
+        with open(out_png + ".gp") as f:
+            assert "k3-mini''s layer" in f.read()
     rows = res["rows"]
     assert [r["tokens"] for r in rows] == [1, 3, 257], rows
     assert res["read_gbps"] > 0 and res["peak_gflops"] > 0 and res["peak_source"], res
