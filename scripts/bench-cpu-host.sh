@@ -8,6 +8,7 @@
 #   scripts/bench-cpu-host.sh [--kernels TIER] [--tokens LIST] [--models k3,k2] [--repeat N]
 #                             [--ckpt-dir DIR] [--out DIR] [--host-label NAME]
 #
+# --tokens: the token counts of both models (default K3 1,4,16,64,256; K2 1,16,256).
 # --kernels: the tier to run (default: the best this host runs). A tier below the host's best is
 #   a proxy run (e.g. avx2 on an AVX-512 host): the run's label and its files say so.
 # --ckpt-dir: where the synthetic full-size checkpoints live (~15 GB each), generated with
