@@ -76,12 +76,18 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
-// Random MXFP4 blocks: 1 E8M0 scale byte (2^-7 .. 2^-3) and 16 bytes of E2M1 code pairs.
+// Random MXFP4 blocks: 1 E8M0 scale byte (2^-7 .. 2^-3) and 16 bytes of E2M1 code pairs, ggml's
+// block layout for 32 weights (checked: a ggml that changed it would get garbage otherwise).
 void FillMxfp4(ggml_tensor* t, uint64_t seed) {
+  const size_t block_bytes = ggml_type_size(GGML_TYPE_MXFP4);
+  if (ggml_blck_size(GGML_TYPE_MXFP4) != 32 || block_bytes != 17) {
+    std::fprintf(stderr, "ggml-experts-bench: this ggml's MXFP4 block is not 1 + 16 bytes\n");
+    std::exit(1);
+  }
   auto* p = static_cast<uint8_t*>(t->data);
-  const size_t blocks = ggml_nbytes(t) / 17;
+  const size_t blocks = ggml_nbytes(t) / block_bytes;
   std::mt19937_64 rng(seed);
-  for (size_t b = 0; b < blocks; ++b, p += 17) {
+  for (size_t b = 0; b < blocks; ++b, p += block_bytes) {
     uint64_t r = rng();
     p[0] = static_cast<uint8_t>(120 + r % 5);
     const uint64_t a = rng(), c = rng();
