@@ -6,9 +6,11 @@
 #
 # DIR/ca.pem            the CA (give it to every side as --tls-ca)
 # DIR/gateway.{pem,key} server certificate for localhost, 127.0.0.1, ::1, `gateway` and each
-#                       NAME (a DNS name or an IP address); usable as a client certificate too,
-#                       so moe-cluster can hand the same pair to its ranks
-# DIR/rank.{pem,key}    client certificate for ranks (mTLS)
+#                       NAME (a DNS name or an IP address)
+# DIR/rank.{pem,key}    client certificate for ranks (mTLS): the only one carrying the URI SAN
+#                       spiffe://moe-serve/rank, which an mTLS control port requires
+#                       (moe-gateway --rank-identity), so no other certificate of this CA can
+#                       register as a rank
 # DIR/client.{pem,key}  client certificate for callers (a gateway with --tls-ca requires one)
 # DIR/cluster-token     random shared secret for --cluster-token-file (gateway and every rank)
 # DIR/.gitignore        `*`: nothing of DIR gets committed by accident
@@ -63,7 +65,7 @@ issue() {
 }
 common="basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
 issue gateway moe-gateway "${common}extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=$san\n"
-issue rank moe-rank "${common}extendedKeyUsage=clientAuth\n"
+issue rank moe-rank "${common}extendedKeyUsage=clientAuth\nsubjectAltName=URI:spiffe://moe-serve/rank\n"
 issue client moe-client "${common}extendedKeyUsage=clientAuth\n"
 rm -f ca.srl
 # A new token with every new CA: 32 random bytes, hex (rename: a reader never sees half a file).

@@ -49,13 +49,17 @@ void AddBearerToken(grpc::ClientContext* context, const std::string& token) {
   if (!token.empty()) context->AddMetadata("authorization", absl::StrCat(kBearer, token));
 }
 
-std::string PresentedToken(const grpc::ServerContext& context) {
+std::string MetadataValue(const grpc::ServerContext& context, absl::string_view key) {
   const auto& metadata = context.client_metadata();
-  auto it = metadata.find("authorization");
+  auto it = metadata.find(grpc::string_ref(key.data(), key.size()));
   if (it == metadata.end()) return "";
-  absl::string_view value(it->second.data(), it->second.size());
+  return std::string(it->second.data(), it->second.size());
+}
+
+std::string PresentedToken(const grpc::ServerContext& context) {
+  const std::string value = MetadataValue(context, "authorization");
   if (!absl::StartsWith(value, kBearer)) return "";
-  return std::string(value.substr(kBearer.size()));
+  return value.substr(kBearer.size());
 }
 
 grpc::Status CheckToken(const grpc::ServerContext& context, const std::string& expected,

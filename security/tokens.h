@@ -24,6 +24,9 @@ bool TokensEqual(absl::string_view presented, absl::string_view expected);
 // is only as secret as the network.
 void AddBearerToken(grpc::ClientContext* context, const std::string& token);
 
+// The value of metadata `key` (lowercase) of an incoming call, "" when absent.
+std::string MetadataValue(const grpc::ServerContext& context, absl::string_view key);
+
 // The bearer token of an incoming call ("" when there is none).
 std::string PresentedToken(const grpc::ServerContext& context);
 

@@ -54,7 +54,8 @@ constexpr char kUsage[] =
     "for each, as moe-gateway and moe-rank take --metrics-port 0).\n"
     "Ranks authenticate with a cluster token: --cluster-token-file, or one made for this run\n"
     "(random, in a 0700 temporary directory, removed at exit). --tls-* files go to the gateway\n"
-    "(its identity, and with --tls-ca mTLS) and to the ranks (trust, and their identity).";
+    "(its identity, and with --tls-ca mTLS) and to the ranks (trust); under mTLS the ranks\n"
+    "present --rank-tls-cert/--rank-tls-key (a certificate naming the rank identity).";
 
 struct ClusterOptions {
   std::string checkpoint;
@@ -64,6 +65,7 @@ struct ClusterOptions {
   int metrics_port = -1;           // -1: no metrics; 0: any free port each; M: M, M+1+i
   std::string cluster_token_file;  // "": one is made for the run
   TlsFiles tls;
+  std::string rank_cert, rank_key;  // the ranks' client certificate (mTLS)
   std::string host = "127.0.0.1";
   int threads_per_rank = 0;  // 0: the rank's default
   std::string bin_dir;
@@ -444,13 +446,13 @@ int Cluster::Run() {
                                  absl::StrCat(options_.drain_timeout_s), "--control-port",
                                  std::to_string(options_.control_port), "--cluster-token-file",
                                  options_.cluster_token_file});
-  auto tls_flags = [&](std::vector<std::string>& argv) {
-    for (const auto& [flag, value] :
-         {std::pair{"--tls-cert", options_.tls.cert}, std::pair{"--tls-key", options_.tls.key},
-          std::pair{"--tls-ca", options_.tls.ca}})
+  auto tls_flags = [&](std::vector<std::string>& argv, const std::string& cert,
+                       const std::string& key) {
+    for (const auto& [flag, value] : {std::pair{"--tls-cert", cert}, std::pair{"--tls-key", key},
+                                      std::pair{"--tls-ca", options_.tls.ca}})
       if (!value.empty()) argv.insert(argv.end(), {flag, value});
   };
-  tls_flags(gateway);
+  tls_flags(gateway, options_.tls.cert, options_.tls.key);
   gateway.insert(gateway.end(), options_.gateway_extra.begin(), options_.gateway_extra.end());
   gateway_pid_ = StartChild("gateway", gateway);
   if (gateway_pid_ < 0) return StopAll(1);
@@ -479,7 +481,7 @@ int Cluster::Run() {
                                      std::to_string(i),
                                      "--cluster-token-file",
                                      options_.cluster_token_file};
-    tls_flags(rank);
+    tls_flags(rank, options_.rank_cert, options_.rank_key);
     if (!options_.tls.server_name.empty())
       rank.insert(rank.end(), {"--tls-server-name", options_.tls.server_name});
     if (options_.threads_per_rank > 0) {
@@ -590,6 +592,10 @@ int Main(int argc, char** argv) {
                "mTLS on the gateway");
   flags.String("tls-server-name", &options.tls.server_name,
                "name in --tls-cert to verify when it does not name the --host address");
+  flags.String("rank-tls-cert", &options.rank_cert,
+               "PEM client certificate of the ranks under mTLS (scripts/make-certs.sh's rank.pem: "
+               "the gateway admits only certificates naming the rank identity)");
+  flags.String("rank-tls-key", &options.rank_key, "PEM private key of --rank-tls-cert");
   flags.Int("metrics-port", &options.metrics_port,
             "Prometheus port M of the gateway; rank i gets M+1+i (-1 = off; 0 = any free port "
             "for each, as moe-gateway and moe-rank take it)");
@@ -649,6 +655,12 @@ int Main(int argc, char** argv) {
     return usage_error("--tls-cert needs --tls-ca: the ranks must trust the gateway's certificate");
   if (absl::Status s = CheckTlsFiles(options.tls, /*server=*/true); !s.ok())
     return usage_error(s.message());
+  if (!options.tls.ca.empty() && (options.rank_cert.empty() || options.rank_key.empty()))
+    return usage_error(
+        "--tls-ca makes the control port mTLS: give the ranks their certificate with "
+        "--rank-tls-cert and --rank-tls-key (scripts/make-certs.sh's rank.pem and rank.key)");
+  if (options.tls.ca.empty() && !(options.rank_cert.empty() && options.rank_key.empty()))
+    return usage_error("--rank-tls-cert/--rank-tls-key need --tls-ca (mTLS)");
   if (options.threads_per_rank < 0) return usage_error("--threads-per-rank must be >= 0");
   if (!(options.ready_timeout_s > 0)) return usage_error("--ready-timeout-s must be > 0");
   if (!(options.stop_timeout_s >= 0)) return usage_error("--stop-timeout-s must be >= 0");

@@ -3,9 +3,11 @@
 #include <cstdio>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "security/tokens.h"
+#include "server/grpc_status.h"
 #include "server/metrics/gateway_metrics.h"
 
 namespace moe {
@@ -19,15 +21,64 @@ absl::Status AccessControl::CheckConfiguration(const AccessOptions& options) {
   return absl::OkStatus();
 }
 
-grpc::Status AccessControl::Rank(const grpc::ServerContext& context, absl::string_view method) {
-  // Under mTLS the handshake already refused peers without a CA-signed certificate; checked
-  // again here so a misconfigured server can never accept one.
-  if (options_.control_mtls && !context.auth_context()->IsPeerAuthenticated())
+grpc::Status AccessControl::RankPeer(const grpc::ServerContext& context, absl::string_view method) {
+  if (!options_.control_mtls) return grpc::Status::OK;
+  // The handshake already refused peers without a CA-signed certificate; checked again here so a
+  // misconfigured server can never accept one.
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated())
     return Refuse(
         context, "control", method,
         grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"));
-  grpc::Status s = CheckToken(context, options_.cluster_token, "cluster token");
-  return s.ok() ? s : Refuse(context, "control", method, s);
+  for (const grpc::string_ref& uri : auth->FindPropertyValues(GRPC_PEER_URI_PROPERTY_NAME))
+    if (absl::string_view(uri.data(), uri.size()) == options_.rank_identity)
+      return grpc::Status::OK;
+  return Refuse(context, "control", method,
+                grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                             absl::StrCat("the client certificate is not a rank's: it carries no "
+                                          "URI SAN ",
+                                          options_.rank_identity, " (--rank-identity)")));
+}
+
+namespace {
+
+// The rank id in metadata moe-rank-id: -1 (any) or a rank number.
+bool ParseRankId(const grpc::ServerContext& context, int* rank) {
+  const std::string value = MetadataValue(context, kRankIdKey);
+  return absl::SimpleAtoi(value, rank) && *rank >= -1 && *rank < (1 << 20) &&
+         value == absl::StrCat(*rank);
+}
+
+}  // namespace
+
+grpc::Status AccessControl::RankRegistration(const grpc::ServerContext& context,
+                                             int* requested_rank) {
+  if (grpc::Status s = RankPeer(context, "Register"); !s.ok()) return s;
+  if (!ParseRankId(context, requested_rank))
+    return Refuse(context, "control", "Register",
+                  grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                               absl::StrCat("no ", kRankIdKey, " metadata (moe-rank sends it)")));
+  const absl::Status s = handshake_.CheckRegistration(MetadataValue(context, kRankNonceKey),
+                                                      MetadataValue(context, kRankProofKey),
+                                                      *requested_rank, absl::Now());
+  return s.ok() ? grpc::Status::OK : Refuse(context, "control", "Register", ToGrpcStatus(s));
+}
+
+grpc::Status AccessControl::RankExchange(const grpc::ServerContext& context, int* rank,
+                                         std::string* session) {
+  if (grpc::Status s = RankPeer(context, "Exchange"); !s.ok()) return s;
+  *session = MetadataValue(context, kRankSessionKey);
+  if (!ParseRankId(context, rank) || *rank < 0)
+    return Refuse(context, "control", "Exchange",
+                  grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                               absl::StrCat("no ", kRankIdKey, " metadata (moe-rank sends it)")));
+  const absl::Status s =
+      handshake_.ClaimSession(*rank, *session, MetadataValue(context, kRankProofKey));
+  if (s.ok()) return grpc::Status::OK;
+  // A session that is merely stale (the rank registered again meanwhile) is the rank's own race,
+  // not a refusal of an impostor: not counted.
+  if (absl::IsFailedPrecondition(s)) return ToGrpcStatus(s);
+  return Refuse(context, "control", "Exchange", ToGrpcStatus(s));
 }
 
 grpc::Status AccessControl::Caller(const grpc::ServerContext& context, absl::string_view method) {

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <random>
 #include <sstream>
 
 #include "absl/strings/escaping.h"
@@ -13,6 +12,7 @@
 #include "core/status.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "server/backend_factory.h"
 #include "server/gateway/kserve_service.h"
 #include "server/gateway/services.h"
@@ -22,14 +22,6 @@
 #include "transport/cuda_plugin.h"
 
 namespace moe {
-namespace {
-
-std::string NewSession() {
-  std::random_device rd;
-  return absl::StrFormat("%08x%08x", rd(), rd());
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options) {
   if (options.num_ranks < 1) return absl::InvalidArgumentError("--ranks must be at least 1");
@@ -50,7 +42,15 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
         absl::StrCat("--control-port must differ from --port (both ", options.port, ")"));
   RETURN_IF_ERROR(CheckTlsFiles(options.tls, /*server=*/true));
   AccessOptions access = options.access;
-  access.control_mtls = options.tls.mutual();
+  access.control_mtls = options.tls.mutual() || !options.rank_ca.empty();
+  if (!options.rank_ca.empty()) {
+    TlsFiles control = options.tls;
+    control.ca = options.rank_ca;
+    RETURN_IF_ERROR_CTX(CheckTlsFiles(control, /*server=*/true), "--rank-ca");
+  }
+  if (access.control_mtls && access.rank_identity.empty())
+    return absl::InvalidArgumentError(
+        "--rank-identity must name the URI SAN of rank certificates (mTLS on the control port)");
   RETURN_IF_ERROR(AccessControl::CheckConfiguration(access));
   std::unique_ptr<Gateway> gateway(new Gateway(options));
   ASSIGN_OR_RETURN(gateway->checkpoint_, Checkpoint::Open(options.checkpoint));
@@ -112,10 +112,11 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
       std::make_unique<PlacementChanger>(gateway->engine_.get(), gateway->transport_.get(),
                                          [g = gateway.get()] { g->OnRankState(-1, true); });
   gateway->batcher_ = std::make_unique<StepBatcher>(gateway->engine_.get(), options.batcher);
+  gateway->stream_buffers_.SetObserver(
+      [metrics = gateway->metrics_.get()](int64_t bytes) { metrics->SetStreamBufferBytes(bytes); });
   gateway->batcher_->SetQueueObserver(
       [metrics = gateway->metrics_.get()](int64_t tokens) { metrics->SetQueuedTokens(tokens); });
   gateway->ranks_.resize(options.num_ranks);
-  gateway->session_ = NewSession();
   gateway->transport_->SetRankStateCallback(
       [g = gateway.get()](int rank, bool up) { g->OnRankState(rank, up); });
   gateway->transport_->SetDroppedResultCallback(
@@ -123,7 +124,8 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   return gateway;
 }
 
-Gateway::Gateway(const GatewayOptions& options) : options_(options) {}
+Gateway::Gateway(const GatewayOptions& options)
+    : options_(options), stream_buffers_(options.max_stream_buffer_total_bytes) {}
 
 Gateway::~Gateway() { Shutdown(absl::Seconds(1)); }
 
@@ -184,52 +186,71 @@ absl::Status Gateway::Start() {
     RETURN_IF_ERROR(
         metrics_->Serve(absl::StrCat(options_.metrics_host, ":", options_.metrics_port)));
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                   ServerCredentials(options_.tls));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   moe_service_ = std::make_unique<MoeServiceImpl>(this);
   control_service_ = std::make_unique<RankControlServiceImpl>(this);
   diagnostics_service_ = std::make_unique<DiagnosticsServiceImpl>(this);
   kserve_service_ = std::make_unique<KServeServiceImpl>(this);
-  // Receive limits guard the gateway's memory; send limits only need to fit what it sends.
-  auto listen = [&](grpc::ServerBuilder& builder, const std::string& host, int port, int* bound,
-                    int64_t receive_limit, int64_t send_limit) {
-    // A second gateway on a port in use must fail, not share (and steal half of) its callers.
-    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    builder.AddListeningPort(absl::StrCat(host, ":", port), credentials, bound);
-    builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(receive_limit, INT32_MAX)));
-    builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(send_limit, INT32_MAX)));
-  };
   // The control port first: ranks may connect as soon as the public port answers health.
-  grpc::ServerBuilder control;
   const std::string control_host =
       options_.control_host.empty() ? options_.host : options_.control_host;
   const MoeConfig& c = engine_->config();
-  listen(control, control_host, options_.control_port, &control_port_, ControlMessageLimit(),
-         options_.batcher.max_tokens_per_step * c.expert_input_size() * int64_t{4} +
-             (int64_t{1} << 20));
-  control.RegisterService(control_service_.get());
-  control_server_ = control.BuildAndStart();
-  if (control_server_ == nullptr || control_port_ == 0)
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", control_host, ":",
-                                               options_.control_port, " (--control-port)"));
-  grpc::ServerBuilder builder;
-  listen(builder, options_.host, options_.port, &port_, RequestLimit(),
-         options_.max_request_tokens * c.hidden_size * int64_t{4} + (int64_t{1} << 20));
-  builder.RegisterService(moe_service_.get());
-  builder.RegisterService(diagnostics_service_.get());
-  builder.RegisterService(kserve_service_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr || port_ == 0)
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options_.host, ":", options_.port));
+  // A rank's connection carries Challenge, Register and one Exchange at a time.
+  ASSIGN_OR_RETURN(
+      control_server_,
+      Listen(
+          control_host, options_.control_port, &control_port_, ControlTls(), ControlMessageLimit(),
+          options_.batcher.max_tokens_per_step * c.expert_input_size() * int64_t{4} +
+              (int64_t{1} << 20),
+          ControlTransportMemory(), /*max_streams=*/8, {control_service_.get()}, "--control-port"));
+  ASSIGN_OR_RETURN(
+      server_,
+      Listen(options_.host, options_.port, &port_, options_.tls, RequestLimit(),
+             options_.max_request_tokens * c.hidden_size * int64_t{4} + (int64_t{1} << 20),
+             PublicTransportMemory(), /*max_streams=*/256,
+             {moe_service_.get(), diagnostics_service_.get(), kserve_service_.get()}, "--port"));
   std::lock_guard<std::mutex> lock(health_mu_);
   health_ = server_->GetHealthCheckService();
   // Named as well as overall (""): probes may ask for the service by name.
   health_->SetServingStatus("moe.v1.MoeService", ready());
   health_->SetServingStatus(ready());
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> Gateway::Listen(
+    const std::string& host, int port, int* bound, const TlsFiles& tls, int64_t receive_limit,
+    int64_t send_limit, int64_t transport_memory, int max_streams,
+    const std::vector<grpc::Service*>& services, const std::string& flag) {
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, ServerCredentials(tls));
+  grpc::ServerBuilder builder;
+  // A second gateway on a port in use must fail, not share (and steal half of) its callers.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(absl::StrCat(host, ":", port), credentials, bound);
+  // Receive limits guard the gateway's memory; send limits only need to fit what it sends.
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(receive_limit, INT32_MAX)));
+  builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(send_limit, INT32_MAX)));
+  // What the transport may hold of messages still arriving, all connections together: gRPC reads
+  // a message whole before checking its size against the limit, so without a quota four callers
+  // sending 1 GB each made it hold 4 GB before refusing them. Past the quota the stream holding
+  // the most is reset (RST_STREAM ENHANCE_YOUR_CALM: the caller sees RESOURCE_EXHAUSTED).
+  grpc::ResourceQuota quota(absl::StrCat("moe-gateway", flag));
+  quota.Resize(static_cast<size_t>(transport_memory));
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_streams);
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 << 10);
+  for (grpc::Service* service : services) builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *bound == 0)
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", host, ":", port, " (", flag, ")"));
+  return server;
+}
+
+TlsFiles Gateway::ControlTls() const {
+  TlsFiles tls = options_.tls;
+  if (!options_.rank_ca.empty()) tls.ca = options_.rank_ca;
+  return tls;
 }
 
 absl::StatusOr<Gateway::RequestSlot> Gateway::TryBeginRequest() {
@@ -295,6 +316,18 @@ int64_t Gateway::RequestLimit() const {
   // The response is no larger: the same rows (fp32 at most) and the routing (an id and a
   // weight per choice) within the 1 MiB of headroom up to K3's top-16 at 4096 tokens.
   return options_.max_request_tokens * c.hidden_size * int64_t{4} + (int64_t{1} << 20);
+}
+
+int64_t Gateway::PublicTransportMemory() const {
+  if (options_.transport_memory_bytes > 0) return options_.transport_memory_bytes;
+  // Four largest requests in flight at once, and no less than 64 MiB.
+  return std::max<int64_t>(int64_t{64} << 20, 4 * RequestLimit());
+}
+
+int64_t Gateway::ControlTransportMemory() const {
+  if (options_.transport_memory_bytes > 0) return options_.transport_memory_bytes;
+  // Every rank's largest result at once, with room for one more.
+  return std::max<int64_t>(int64_t{64} << 20, (options_.num_ranks + 1) * ControlMessageLimit());
 }
 
 int64_t Gateway::ControlMessageLimit() const {

@@ -30,6 +30,7 @@
 #include "server/gateway/deferred_transport.h"
 #include "server/gateway/placement_changer.h"
 #include "server/gateway/step_batcher.h"
+#include "server/gateway/stream_outbox.h"
 #include "server/metrics/gateway_metrics.h"
 #include "transport/grpc_transport.h"
 
@@ -51,7 +52,10 @@ struct GatewayOptions {
   std::string control_host;  // "" = host
   int control_port = 50052;  // 0 = pick a free port (see Gateway::control_port)
   TlsFiles tls;              // both ports; tls.ca makes client certificates required (mTLS)
-  AccessOptions access;      // tokens (read from their files by the caller)
+  // The control port's CA for rank certificates ("" = tls.ca): a CA of their own keeps every
+  // other certificate off the control port. Either makes the control port mTLS.
+  std::string rank_ca;
+  AccessOptions access;  // tokens (read from their files by the caller)
   // Requests accepted at once (a stream's requests count one each); beyond: RESOURCE_EXHAUSTED.
   int64_t max_concurrent_requests = 1024;
   Precision precision = Precision::kBF16;
@@ -68,9 +72,13 @@ struct GatewayOptions {
   // plus 1 MiB. gRPC refuses a larger one on arrival, before the gateway allocates it. (The
   // control port's limit is a rank's largest step result: max_tokens_per_step fp64 rows.)
   int64_t max_request_bytes = 0;
-  // Responses of one ForwardStream buffered for a client that reads slowly; beyond it, the
-  // stream's new requests get RESOURCE_EXHAUSTED.
+  // Responses of one ForwardStream buffered for a client that reads slowly, and of all streams
+  // together; beyond either, the stream's new requests get RESOURCE_EXHAUSTED.
   int64_t max_stream_buffer_bytes = int64_t{64} << 20;
+  int64_t max_stream_buffer_total_bytes = int64_t{256} << 20;
+  // What gRPC may hold of messages still arriving, per port (a grpc::ResourceQuota: past it, the
+  // stream holding the most is reset, RESOURCE_EXHAUSTED); 0 = sized from the message limits.
+  int64_t transport_memory_bytes = 0;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
   MetricsOptions metrics;
@@ -139,6 +147,10 @@ class Gateway {
   AccessControl& access() { return *access_; }
   int64_t RequestLimit() const;         // the public port's message limit (max_request_bytes)
   int64_t ControlMessageLimit() const;  // the control port's: one rank's step result
+  // The ResourceQuota sizes (options' transport_memory_bytes, else from the message limits).
+  int64_t PublicTransportMemory() const;
+  int64_t ControlTransportMemory() const;
+  StreamBufferBudget& stream_buffers() { return stream_buffers_; }
   bool ready() const;
   // Whether requests are taken now: under NCCL when ready(); over gRPC while some rank serves
   // the placement in use, since a request fails only when its tokens choose an expert without a
@@ -155,9 +167,10 @@ class Gateway {
   GatewayMetrics& metrics() { return *metrics_; }
   BalanceDiagnostics& diagnostics() { return *diagnostics_; }
   int metrics_port() const { return metrics_->port(); }
-  const std::string& session() const { return session_; }
   const std::string& nccl_unique_id() const { return nccl_unique_id_; }
   std::string backend_name() const { return backend_->name(); }
+  // The TLS files of the control port: tls with rank_ca as the client CA when given.
+  TlsFiles ControlTls() const;
 
   // Live re-placement from the --placement text format (MoeDiagnostics/ApplyPlacement):
   // PERMISSION_DENIED unless allowed (GatewayOptions::allow_placement_changes or an admin
@@ -174,6 +187,14 @@ class Gateway {
 
  private:
   explicit Gateway(const GatewayOptions& options);
+  // Starts one of the two servers: `credentials`, message limits, a ResourceQuota of
+  // `transport_memory` bytes and at most `max_streams` concurrent calls per connection.
+  absl::StatusOr<std::unique_ptr<grpc::Server>> Listen(const std::string& host, int port,
+                                                       int* bound, const TlsFiles& tls,
+                                                       int64_t receive_limit, int64_t send_limit,
+                                                       int64_t transport_memory, int max_streams,
+                                                       const std::vector<grpc::Service*>& services,
+                                                       const std::string& flag);
   void OnRankState(int rank, bool up);
   void EndRequest();  // by RequestSlot
   // ApplyPlacement without the permission check (the operator's own --auto-rebalance).
@@ -223,10 +244,10 @@ class Gateway {
   int port_ = 0;
   int control_port_ = 0;
   std::atomic<bool> draining_{false};
+  StreamBufferBudget stream_buffers_;
   std::mutex in_flight_mu_;
   std::condition_variable in_flight_cv_;
   int64_t in_flight_ = 0;  // guarded by in_flight_mu_
-  std::string session_;
   mutable std::mutex ranks_mu_;
   std::vector<RankRecord> ranks_;
 };

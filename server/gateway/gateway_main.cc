@@ -4,7 +4,9 @@
 #include <csignal>
 #include <cstdio>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/flags.h"
@@ -15,6 +17,10 @@ namespace {
 
 std::atomic<int> g_signals{0};  // SIGTERM/SIGINT received: the first drains, a second cuts it short
 void OnSignal(int) { ++g_signals; }
+
+bool IsLoopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || absl::StartsWith(host, "127.");
+}
 
 }  // namespace
 
@@ -42,6 +48,12 @@ int main(int argc, char** argv) {
             "ports (0 = any free port, printed at start)");
   flags.Range("control-port", 0, 65535);
   moe::AddTlsFlags(flags, &options.tls, /*server=*/true);
+  flags.String("rank-ca", &options.rank_ca,
+               "PEM CA bundle for rank certificates on the control port (default: --tls-ca); "
+               "makes the control port mTLS");
+  flags.String("rank-identity", &options.access.rank_identity,
+               "URI SAN a rank's client certificate must carry on an mTLS control port "
+               "(scripts/make-certs.sh puts it in rank.pem only)");
   std::string cluster_token_file, api_token_file, admin_token_file;
   flags.String("cluster-token-file", &cluster_token_file,
                "shared secret the ranks must present (their --cluster-token-file)");
@@ -89,6 +101,16 @@ int main(int argc, char** argv) {
   flags.Int("stream-buffer-mb", &stream_buffer_mb,
             "responses buffered per ForwardStream for a slow reader; beyond, its new requests get "
             "RESOURCE_EXHAUSTED");
+  int64_t stream_buffer_total_mb = 256;
+  flags.Int("stream-buffer-total-mb", &stream_buffer_total_mb,
+            "responses buffered for slow readers by all ForwardStreams together; beyond, new "
+            "stream requests get RESOURCE_EXHAUSTED");
+  flags.Range("stream-buffer-total-mb", 1, int64_t{1} << 20);
+  int64_t transport_memory_mb = 0;
+  flags.Int("transport-memory-mb", &transport_memory_mb,
+            "what gRPC may hold of messages still arriving, per port (past it the stream holding "
+            "the most is reset: RESOURCE_EXHAUSTED); 0 = 4 of the largest requests, at least 64");
+  flags.Range("transport-memory-mb", 0, int64_t{1} << 20);
   double drain_timeout_s = 30;
   flags.Double("drain-timeout-s", &drain_timeout_s,
                "on SIGTERM/SIGINT: NOT_SERVING and new calls UNAVAILABLE at once, then up to this "
@@ -173,6 +195,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.max_stream_buffer_bytes = stream_buffer_mb << 20;
+  options.max_stream_buffer_total_bytes = stream_buffer_total_mb << 20;
+  options.transport_memory_bytes = transport_memory_mb << 20;
   if (!(drain_timeout_s >= 0)) {
     std::fprintf(stderr, "moe-gateway: --drain-timeout-s must be >= 0\n");
     return 2;
@@ -210,12 +234,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe-gateway: %s\n", s.ToString().c_str());
     return 1;
   }
-  std::fprintf(stderr, "moe-gateway: control plane on %s:%d (%s%s)\n",
-               (options.control_host.empty() ? options.host : options.control_host).c_str(),
-               (*gateway)->control_port(), options.tls.mutual() ? "mTLS" : "",
+  const bool control_mtls = options.tls.mutual() || !options.rank_ca.empty();
+  const std::string control_host =
+      options.control_host.empty() ? options.host : options.control_host;
+  std::fprintf(stderr, "moe-gateway: control plane on %s:%d (%s%s)\n", control_host.c_str(),
+               (*gateway)->control_port(),
+               control_mtls ? absl::StrCat("mTLS, ", options.access.rank_identity).c_str() : "",
                options.access.cluster_token.empty()
-                   ? (options.tls.mutual() ? "" : "unauthenticated: --insecure-cluster")
-                   : (options.tls.mutual() ? " + cluster token" : "cluster token"));
+                   ? (control_mtls ? "" : "unauthenticated: --insecure-cluster")
+                   : (control_mtls ? " + cluster token proof" : "cluster token proof"));
+  if (!options.tls.server_enabled() && !IsLoopback(control_host))
+    std::fprintf(stderr,
+                 "moe-gateway: warning: the control port listens on %s in plaintext: ranks prove "
+                 "the cluster token without sending it, but the hidden states they receive cross "
+                 "the network unencrypted (give --tls-cert/--tls-key, or --control-host "
+                 "127.0.0.1 where ranks are local)\n",
+                 control_host.c_str());
   std::fprintf(
       stderr, "moe-gateway: serving %s on %s:%d, layers %s, backend %s, %s; waiting for %d ranks\n",
       options.checkpoint.c_str(), options.host.c_str(), (*gateway)->port(),

@@ -7,6 +7,7 @@
 #include "core/version.h"
 #include "model/config.h"
 #include "server/gateway/kserve_codec.h"
+#include "server/gateway/read_after_admission.h"
 #include "server/gateway/services.h"
 #include "server/grpc_status.h"
 
@@ -26,72 +27,110 @@ absl::StatusOr<int> KServeServiceImpl::ServedLayer(const std::string& name,
   return layer;
 }
 
-grpc::Status KServeServiceImpl::ServerLive(grpc::ServerContext*,
-                                           const inference::ServerLiveRequest*,
-                                           inference::ServerLiveResponse* response) {
-  response->set_live(true);  // answering at all is the liveness
-  return grpc::Status::OK;
+namespace {
+grpc::Status Open() { return grpc::Status::OK; }
+}  // namespace
+
+grpc::Status KServeServiceImpl::StreamedServerLive(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<inference::ServerLiveRequest, inference::ServerLiveResponse>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, Open,
+      [](const inference::ServerLiveRequest&, inference::ServerLiveResponse* response) {
+        response->set_live(true);  // answering at all is the liveness
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KServeServiceImpl::ServerReady(grpc::ServerContext*,
-                                            const inference::ServerReadyRequest*,
-                                            inference::ServerReadyResponse* response) {
-  response->set_ready(Serving());
-  return grpc::Status::OK;
+grpc::Status KServeServiceImpl::StreamedServerReady(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<inference::ServerReadyRequest, inference::ServerReadyResponse>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, Open,
+      [&](const inference::ServerReadyRequest&, inference::ServerReadyResponse* response) {
+        response->set_ready(Serving());
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KServeServiceImpl::ModelReady(grpc::ServerContext*,
-                                           const inference::ModelReadyRequest* request,
-                                           inference::ModelReadyResponse* response) {
-  // A question, not a lookup: an unknown model is not ready (no error, as probes expect).
-  response->set_ready(ServedLayer(request->name(), request->version()).ok() && Serving());
-  return grpc::Status::OK;
+grpc::Status KServeServiceImpl::StreamedModelReady(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<inference::ModelReadyRequest, inference::ModelReadyResponse>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, Open,
+      [&](const inference::ModelReadyRequest& request, inference::ModelReadyResponse* response) {
+        // A question, not a lookup: an unknown model is not ready (no error, as probes expect).
+        response->set_ready(ServedLayer(request.name(), request.version()).ok() && Serving());
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KServeServiceImpl::ServerMetadata(grpc::ServerContext* context,
-                                               const inference::ServerMetadataRequest*,
-                                               inference::ServerMetadataResponse* response) {
-  if (grpc::Status s = gateway_->access().Caller(*context, "ServerMetadata"); !s.ok()) return s;
-  response->set_name("moe-gateway");
-  response->set_version(Version());
-  return grpc::Status::OK;
+grpc::Status KServeServiceImpl::StreamedServerMetadata(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<inference::ServerMetadataRequest, inference::ServerMetadataResponse>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Caller(*context, "ServerMetadata"); },
+      [](const inference::ServerMetadataRequest&, inference::ServerMetadataResponse* response) {
+        response->set_name("moe-gateway");
+        response->set_version(Version());
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KServeServiceImpl::ModelMetadata(grpc::ServerContext* context,
-                                              const inference::ModelMetadataRequest* request,
-                                              inference::ModelMetadataResponse* response) {
-  if (grpc::Status s = gateway_->access().Caller(*context, "ModelMetadata"); !s.ok()) return s;
-  absl::StatusOr<int> layer = ServedLayer(request->name(), request->version());
-  if (!layer.ok()) return ToGrpcStatus(layer.status());
-  const MoeConfig& c = gateway_->engine().config();
-  FillKServeModelMetadata(*layer, c.hidden_size, c.routing.top_k, ModelFamilyName(c.family),
-                          response);
-  return grpc::Status::OK;
+grpc::Status KServeServiceImpl::StreamedModelMetadata(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<inference::ModelMetadataRequest, inference::ModelMetadataResponse>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Caller(*context, "ModelMetadata"); },
+      [&](const inference::ModelMetadataRequest& request,
+          inference::ModelMetadataResponse* response) {
+        absl::StatusOr<int> layer = ServedLayer(request.name(), request.version());
+        if (!layer.ok()) return ToGrpcStatus(layer.status());
+        const MoeConfig& c = gateway_->engine().config();
+        FillKServeModelMetadata(*layer, c.hidden_size, c.routing.top_k, ModelFamilyName(c.family),
+                                response);
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KServeServiceImpl::ModelInfer(grpc::ServerContext* context,
-                                           const inference::ModelInferRequest* request,
+grpc::Status KServeServiceImpl::StreamedModelInfer(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<inference::ModelInferRequest, inference::ModelInferResponse>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Caller(*context, "ModelInfer"); },
+      [&](const inference::ModelInferRequest& request, inference::ModelInferResponse* response) {
+        return ModelInfer(*context, request, response);
+      });
+}
+
+grpc::Status KServeServiceImpl::ModelInfer(grpc::ServerContext& context,
+                                           const inference::ModelInferRequest& request,
                                            inference::ModelInferResponse* response) {
-  if (grpc::Status s = gateway_->access().Caller(*context, "ModelInfer"); !s.ok()) return s;
   const absl::Time start = absl::Now();
   absl::Duration queue;
   grpc::Status status;
   // As Forward: the slot is taken before anything else, so drain sees this request.
   absl::StatusOr<Gateway::RequestSlot> slot = gateway_->TryBeginRequest();
   absl::StatusOr<KServeCall> call =
-      slot.ok() ? ToForwardRequest(*request) : absl::StatusOr<KServeCall>(slot.status());
+      slot.ok() ? ToForwardRequest(request) : absl::StatusOr<KServeCall>(slot.status());
   if (!call.ok()) {
     status = ToGrpcStatus(call.status());
   } else {
     moe::v1::ForwardResponse forward;
-    status = RunForward(*gateway_, *context, call->forward, &forward, &queue);
-    if (status.ok()) ToModelInferResponse(*request, *call, forward, response);
+    status = RunForward(*gateway_, context, call->forward, &forward, &queue);
+    if (status.ok()) ToModelInferResponse(request, *call, forward, response);
   }
   // The metrics label: the translated layer, else (refused early) whatever the name says.
   int layer = -1;
   if (call.ok()) {
     layer = call->forward.layer();
-  } else if (absl::StatusOr<int> named = KServeModelLayer(request->model_name()); named.ok()) {
+  } else if (absl::StatusOr<int> named = KServeModelLayer(request.model_name()); named.ok()) {
     layer = *named;
   }
   gateway_->metrics().OnRequest(layer, status.error_code(), absl::Now() - start, queue);

@@ -8,32 +8,52 @@
 
 namespace moe {
 
-class KServeServiceImpl final : public inference::GRPCInferenceService::Service {
+// Every method registered streamed (read_after_admission.h): admitted on metadata, then read.
+using KServeServiceBase = inference::GRPCInferenceService::WithStreamedUnaryMethod_ServerLive<
+    inference::GRPCInferenceService::WithStreamedUnaryMethod_ServerReady<
+        inference::GRPCInferenceService::WithStreamedUnaryMethod_ModelReady<
+            inference::GRPCInferenceService::WithStreamedUnaryMethod_ServerMetadata<
+                inference::GRPCInferenceService::WithStreamedUnaryMethod_ModelMetadata<
+                    inference::GRPCInferenceService::WithStreamedUnaryMethod_ModelInfer<
+                        inference::GRPCInferenceService::Service>>>>>>;
+
+class KServeServiceImpl final : public KServeServiceBase {
  public:
   explicit KServeServiceImpl(Gateway* gateway) : gateway_(gateway) {}
 
   // Open like grpc.health.v1: probes carry no token.
-  grpc::Status ServerLive(grpc::ServerContext* context, const inference::ServerLiveRequest* request,
-                          inference::ServerLiveResponse* response) override;
-  grpc::Status ServerReady(grpc::ServerContext* context,
-                           const inference::ServerReadyRequest* request,
-                           inference::ServerReadyResponse* response) override;
-  grpc::Status ModelReady(grpc::ServerContext* context, const inference::ModelReadyRequest* request,
-                          inference::ModelReadyResponse* response) override;
+  grpc::Status StreamedServerLive(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::ServerLiveRequest, inference::ServerLiveResponse>*
+          stream) override;
+  grpc::Status StreamedServerReady(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::ServerReadyRequest, inference::ServerReadyResponse>*
+          stream) override;
+  grpc::Status StreamedModelReady(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::ModelReadyRequest, inference::ModelReadyResponse>*
+          stream) override;
   // Caller access, as moe.v1.
-  grpc::Status ServerMetadata(grpc::ServerContext* context,
-                              const inference::ServerMetadataRequest* request,
-                              inference::ServerMetadataResponse* response) override;
-  grpc::Status ModelMetadata(grpc::ServerContext* context,
-                             const inference::ModelMetadataRequest* request,
-                             inference::ModelMetadataResponse* response) override;
-  grpc::Status ModelInfer(grpc::ServerContext* context, const inference::ModelInferRequest* request,
-                          inference::ModelInferResponse* response) override;
+  grpc::Status StreamedServerMetadata(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::ServerMetadataRequest,
+                                inference::ServerMetadataResponse>* stream) override;
+  grpc::Status StreamedModelMetadata(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::ModelMetadataRequest, inference::ModelMetadataResponse>*
+          stream) override;
+  grpc::Status StreamedModelInfer(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::ModelInferRequest, inference::ModelInferResponse>*
+          stream) override;
 
  private:
   bool Serving() const;
   // NOT_FOUND unless `name`/`version` is a model of a served layer; the layer otherwise.
   absl::StatusOr<int> ServedLayer(const std::string& name, const std::string& version) const;
+  grpc::Status ModelInfer(grpc::ServerContext& context, const inference::ModelInferRequest& request,
+                          inference::ModelInferResponse* response);
 
   Gateway* gateway_;
 };

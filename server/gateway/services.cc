@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/tensor_codec.h"
+#include "server/gateway/read_after_admission.h"
 #include "server/gateway/request_validation.h"
 #include "server/gateway/stream_outbox.h"
 #include "server/grpc_status.h"
@@ -77,17 +78,25 @@ absl::Time DeadlineOf(const grpc::ServerContext& context) {
 
 }  // namespace
 
-grpc::Status MoeServiceImpl::Forward(grpc::ServerContext* context, const ForwardRequest* request,
+grpc::Status MoeServiceImpl::StreamedForward(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<ForwardRequest, ForwardResponse>* stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Caller(*context, "Forward"); },
+      [&](const ForwardRequest& request, ForwardResponse* response) {
+        return Forward(*context, request, response);
+      });
+}
+
+grpc::Status MoeServiceImpl::Forward(grpc::ServerContext& context, const ForwardRequest& request,
                                      ForwardResponse* response) {
-  if (grpc::Status s = gateway_->access().Caller(*context, "Forward"); !s.ok()) return s;
   const absl::Time start = absl::Now();
   absl::Duration queue;
   // Counted before MakeCall checks draining(): Drain either sees this request or it sees drain.
   absl::StatusOr<Gateway::RequestSlot> slot = gateway_->TryBeginRequest();
-  const grpc::Status status = slot.ok()
-                                  ? RunForward(*gateway_, *context, *request, response, &queue)
-                                  : ToGrpcStatus(slot.status());
-  gateway_->metrics().OnRequest(request->layer(), status.error_code(), absl::Now() - start, queue);
+  const grpc::Status status = slot.ok() ? RunForward(*gateway_, context, request, response, &queue)
+                                        : ToGrpcStatus(slot.status());
+  gateway_->metrics().OnRequest(request.layer(), status.error_code(), absl::Now() - start, queue);
   return status;
 }
 
@@ -120,7 +129,8 @@ grpc::Status MoeServiceImpl::ForwardStream(
   std::mutex mu;
   std::condition_variable cv;
   int outstanding = 0;  // guarded by mu
-  StreamOutbox outbox(stream, gateway_->options().max_stream_buffer_bytes);
+  StreamOutbox outbox(stream, gateway_->options().max_stream_buffer_bytes,
+                      &gateway_->stream_buffers());
   auto error_response = [](const ForwardRequest& request, const absl::Status& status) {
     ForwardResponse response;
     response.set_request_id(request.request_id());
@@ -203,10 +213,17 @@ grpc::Status MoeServiceImpl::ForwardStream(
   return grpc::Status::OK;
 }
 
-grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext* context,
-                                          const moe::v1::GetModelInfoRequest*,
-                                          moe::v1::ModelInfo* info) {
-  if (grpc::Status s = gateway_->access().Caller(*context, "GetModelInfo"); !s.ok()) return s;
+grpc::Status MoeServiceImpl::StreamedGetModelInfo(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<moe::v1::GetModelInfoRequest, moe::v1::ModelInfo>* stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Caller(*context, "GetModelInfo"); },
+      [&](const moe::v1::GetModelInfoRequest&, moe::v1::ModelInfo* info) {
+        return GetModelInfo(info);
+      });
+}
+
+grpc::Status MoeServiceImpl::GetModelInfo(moe::v1::ModelInfo* info) {
   const MoeConfig& c = gateway_->engine().config();
   info->set_family(ModelFamilyName(c.family));
   info->set_model_type(c.model_type);
@@ -246,65 +263,115 @@ grpc::Status MoeServiceImpl::GetModelInfo(grpc::ServerContext* context,
 
 // ---- diagnostics ----------------------------------------------------------------------------
 
-grpc::Status DiagnosticsServiceImpl::GetLoadBalance(grpc::ServerContext* context,
-                                                    const moe::v1::GetLoadBalanceRequest* request,
-                                                    moe::v1::LoadBalanceReport* response) {
-  if (grpc::Status s = gateway_->access().Admin(*context, "GetLoadBalance"); !s.ok()) return s;
-  auto report = gateway_->diagnostics().Report(request->layer());
-  if (!report.ok()) return ToGrpcStatus(report.status());
-  *response = std::move(*report);
-  return grpc::Status::OK;
+grpc::Status DiagnosticsServiceImpl::StreamedGetLoadBalance(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<moe::v1::GetLoadBalanceRequest, moe::v1::LoadBalanceReport>* stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Admin(*context, "GetLoadBalance"); },
+      [&](const moe::v1::GetLoadBalanceRequest& request, moe::v1::LoadBalanceReport* response) {
+        auto report = gateway_->diagnostics().Report(request.layer());
+        if (!report.ok()) return ToGrpcStatus(report.status());
+        *response = std::move(*report);
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status DiagnosticsServiceImpl::GetPlacementAdvice(
-    grpc::ServerContext* context, const moe::v1::GetPlacementAdviceRequest* request,
-    moe::v1::PlacementAdvice* response) {
-  if (grpc::Status s = gateway_->access().Admin(*context, "GetPlacementAdvice"); !s.ok()) return s;
-  auto advice = gateway_->diagnostics().Advice(request->layer(), request->redundant_experts());
-  if (!advice.ok()) return ToGrpcStatus(advice.status());
-  *response = std::move(*advice);
-  return grpc::Status::OK;
+grpc::Status DiagnosticsServiceImpl::StreamedGetPlacementAdvice(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<moe::v1::GetPlacementAdviceRequest, moe::v1::PlacementAdvice>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Admin(*context, "GetPlacementAdvice"); },
+      [&](const moe::v1::GetPlacementAdviceRequest& request, moe::v1::PlacementAdvice* response) {
+        auto advice = gateway_->diagnostics().Advice(request.layer(), request.redundant_experts());
+        if (!advice.ok()) return ToGrpcStatus(advice.status());
+        *response = std::move(*advice);
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status DiagnosticsServiceImpl::SetRouterBias(grpc::ServerContext* context,
-                                                   const moe::v1::SetRouterBiasRequest* request,
-                                                   moe::v1::SetRouterBiasResponse* response) {
-  if (grpc::Status s = gateway_->access().Admin(*context, "SetRouterBias"); !s.ok()) return s;
-  const std::string source = request->source().empty() ? context->peer() : request->source();
-  auto record = gateway_->diagnostics().SetRouterBias(
-      request->layer(), std::vector<float>(request->bias().begin(), request->bias().end()), source);
-  if (!record.ok()) return ToGrpcStatus(record.status());
-  *response->mutable_override() = std::move(*record);
-  return grpc::Status::OK;
+grpc::Status DiagnosticsServiceImpl::StreamedSetRouterBias(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<moe::v1::SetRouterBiasRequest, moe::v1::SetRouterBiasResponse>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Admin(*context, "SetRouterBias"); },
+      [&](const moe::v1::SetRouterBiasRequest& request, moe::v1::SetRouterBiasResponse* response) {
+        const std::string source = request.source().empty() ? context->peer() : request.source();
+        auto record = gateway_->diagnostics().SetRouterBias(
+            request.layer(), std::vector<float>(request.bias().begin(), request.bias().end()),
+            source);
+        if (!record.ok()) return ToGrpcStatus(record.status());
+        *response->mutable_override() = std::move(*record);
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status DiagnosticsServiceImpl::ApplyPlacement(grpc::ServerContext* context,
-                                                    const moe::v1::ApplyPlacementRequest* request,
-                                                    moe::v1::ApplyPlacementResponse* response) {
-  if (grpc::Status s = gateway_->access().Admin(*context, "ApplyPlacement"); !s.ok()) return s;
-  const std::string source = request->source().empty() ? context->peer() : request->source();
-  auto change = gateway_->ApplyPlacement(request->placement(), source);
-  if (!change.ok()) return ToGrpcStatus(change.status());
-  response->set_generation(change->generation);
-  response->set_seconds(absl::ToDoubleSeconds(change->took));
-  response->set_load_seconds(absl::ToDoubleSeconds(change->slowest_load));
-  response->mutable_ranks_loaded()->Add(change->ranks_loaded.begin(), change->ranks_loaded.end());
-  response->mutable_ranks_down()->Add(change->ranks_down.begin(), change->ranks_down.end());
-  return grpc::Status::OK;
+grpc::Status DiagnosticsServiceImpl::StreamedApplyPlacement(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<moe::v1::ApplyPlacementRequest, moe::v1::ApplyPlacementResponse>*
+        stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().Admin(*context, "ApplyPlacement"); },
+      [&](const moe::v1::ApplyPlacementRequest& request,
+          moe::v1::ApplyPlacementResponse* response) {
+        const std::string source = request.source().empty() ? context->peer() : request.source();
+        auto change = gateway_->ApplyPlacement(request.placement(), source);
+        if (!change.ok()) return ToGrpcStatus(change.status());
+        response->set_generation(change->generation);
+        response->set_seconds(absl::ToDoubleSeconds(change->took));
+        response->set_load_seconds(absl::ToDoubleSeconds(change->slowest_load));
+        response->mutable_ranks_loaded()->Add(change->ranks_loaded.begin(),
+                                              change->ranks_loaded.end());
+        response->mutable_ranks_down()->Add(change->ranks_down.begin(), change->ranks_down.end());
+        return grpc::Status::OK;
+      });
 }
 
 // ---- control plane ----------------------------------------------------------------------
 
-grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
-                                              const moe::v1::internal::RegisterRequest* request,
+grpc::Status RankControlServiceImpl::StreamedChallenge(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<moe::v1::internal::ChallengeRequest,
+                              moe::v1::internal::ChallengeResponse>* stream) {
+  return ReadAfterAdmission(
+      *context, *stream, [&] { return gateway_->access().RankPeer(*context, "Challenge"); },
+      [&](const moe::v1::internal::ChallengeRequest&,
+          moe::v1::internal::ChallengeResponse* response) {
+        RankHandshake& handshake = gateway_->access().handshake();
+        response->set_nonce(handshake.NewNonce(absl::Now()));
+        response->set_token_required(handshake.token_required());
+        return grpc::Status::OK;
+      });
+}
+
+grpc::Status RankControlServiceImpl::StreamedRegister(
+    grpc::ServerContext* context,
+    grpc::ServerUnaryStreamer<moe::v1::internal::RegisterRequest,
+                              moe::v1::internal::RegisterResponse>* stream) {
+  int requested_rank = -1;
+  return ReadAfterAdmission(
+      *context, *stream,
+      [&] { return gateway_->access().RankRegistration(*context, &requested_rank); },
+      [&](const moe::v1::internal::RegisterRequest& request,
+          moe::v1::internal::RegisterResponse* response) {
+        return Register(request, requested_rank, context->peer(), response);
+      });
+}
+
+grpc::Status RankControlServiceImpl::Register(const moe::v1::internal::RegisterRequest& request,
+                                              int requested_rank, const std::string& peer,
                                               moe::v1::internal::RegisterResponse* response) {
-  if (grpc::Status s = gateway_->access().Rank(*context, "Register"); !s.ok()) return s;
-  auto rank = gateway_->ClaimRank(request->requested_rank());
+  if (request.requested_rank() != requested_rank)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("requested_rank ", request.requested_rank(), " differs from ",
+                                     kRankIdKey, " ", requested_rank, ", which the proof covers"));
+  auto rank = gateway_->ClaimRank(requested_rank);
   if (!rank.ok()) return ToGrpcStatus(rank.status());
   RankRecord record;
   record.registered = true;
-  record.hostname = request->hostname().empty() ? context->peer() : request->hostname();
-  record.backend = request->backend();
+  record.hostname = request.hostname().empty() ? peer : request.hostname().substr(0, 256);
+  record.backend = request.backend().substr(0, 256);
   gateway_->UpdateRank(*rank, record);
   response->set_rank(*rank);
   response->set_num_ranks(gateway_->options().num_ranks);
@@ -324,7 +391,7 @@ grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
     response->set_nccl_rank(*rank);
   }
   response->set_max_tokens_per_step(gateway_->options().batcher.max_tokens_per_step);
-  response->set_session(gateway_->session());
+  response->set_session(gateway_->access().handshake().OpenSession(*rank));
   response->set_heartbeat_ms(
       static_cast<int32_t>(absl::ToInt64Milliseconds(gateway_->options().liveness.heartbeat)));
   response->set_peer_timeout_ms(
@@ -334,7 +401,10 @@ grpc::Status RankControlServiceImpl::Register(grpc::ServerContext* context,
 
 grpc::Status RankControlServiceImpl::Exchange(grpc::ServerContext* context,
                                               ExchangeServerStream* stream) {
-  if (grpc::Status s = gateway_->access().Rank(*context, "Exchange"); !s.ok()) return s;
+  int rank = -1;
+  std::string session;
+  if (grpc::Status s = gateway_->access().RankExchange(*context, &rank, &session); !s.ok())
+    return s;
   moe::v1::internal::RankToGateway first;
   if (!stream->Read(&first))
     return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");
@@ -342,22 +412,21 @@ grpc::Status RankControlServiceImpl::Exchange(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first exchange message must be a hello");
   const auto& hello = first.hello();
-  if (hello.session() != gateway_->session())
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        "stale session: the gateway restarted; register again");
+  if (hello.rank() != rank || hello.session() != session)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("the hello names rank ", hello.rank(),
+                                     " and another session than the metadata (rank ", rank, ")"));
   const auto ranks = gateway_->ranks();
-  if (hello.rank() < 0 || hello.rank() >= static_cast<int>(ranks.size()) ||
-      !ranks[hello.rank()].registered)
+  if (rank >= static_cast<int>(ranks.size()) || !ranks[rank].registered)
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("rank ", hello.rank(), " did not register"));
-  RankRecord record = ranks[hello.rank()];
+                        absl::StrCat("rank ", rank, " did not register"));
+  RankRecord record = ranks[rank];
   record.weight_bytes = hello.weight_bytes();
-  record.backend = hello.backend();
-  gateway_->UpdateRank(hello.rank(), record);
+  record.backend = hello.backend().substr(0, 256);
+  gateway_->UpdateRank(rank, record);
   // The rank's shards are those of the generation it registered with; if the placement changed
   // since, it loads the current one now and gets rows once it has.
-  gateway_->placement_changer().OnHello(hello.rank(), hello.placement_generation());
-  const int rank = hello.rank();
+  gateway_->placement_changer().OnHello(rank, hello.placement_generation());
   return ToGrpcStatus(gateway_->grpc_transport().ServeRank(
       rank, stream, context, [this, rank](const moe::v1::internal::RankToGateway& message) {
         gateway_->placement_changer().OnShardsLoaded(rank, message.shards_loaded());

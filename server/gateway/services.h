@@ -15,54 +15,88 @@ grpc::Status RunForward(Gateway& gateway, grpc::ServerContext& context,
                         const moe::v1::ForwardRequest& request, moe::v1::ForwardResponse* response,
                         absl::Duration* queue);
 
-class MoeServiceImpl final : public moe::v1::MoeService::Service {
+// Every unary method is registered streamed (read_after_admission.h): the caller is admitted on
+// its metadata before its request is read.
+using MoeServiceBase = moe::v1::MoeService::WithStreamedUnaryMethod_Forward<
+    moe::v1::MoeService::WithStreamedUnaryMethod_GetModelInfo<moe::v1::MoeService::Service>>;
+
+class MoeServiceImpl final : public MoeServiceBase {
  public:
   explicit MoeServiceImpl(Gateway* gateway) : gateway_(gateway) {}
 
-  grpc::Status Forward(grpc::ServerContext* context, const moe::v1::ForwardRequest* request,
-                       moe::v1::ForwardResponse* response) override;
+  grpc::Status StreamedForward(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<moe::v1::ForwardRequest, moe::v1::ForwardResponse>* stream)
+      override;
   grpc::Status ForwardStream(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<moe::v1::ForwardResponse, moe::v1::ForwardRequest>* stream) override;
-  grpc::Status GetModelInfo(grpc::ServerContext* context,
-                            const moe::v1::GetModelInfoRequest* request,
-                            moe::v1::ModelInfo* response) override;
+  grpc::Status StreamedGetModelInfo(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<moe::v1::GetModelInfoRequest, moe::v1::ModelInfo>* stream) override;
 
  private:
+  grpc::Status Forward(grpc::ServerContext& context, const moe::v1::ForwardRequest& request,
+                       moe::v1::ForwardResponse* response);
+  grpc::Status GetModelInfo(moe::v1::ModelInfo* info);
+
   Gateway* gateway_;
 };
 
-class DiagnosticsServiceImpl final : public moe::v1::MoeDiagnostics::Service {
+using DiagnosticsServiceBase = moe::v1::MoeDiagnostics::WithStreamedUnaryMethod_GetLoadBalance<
+    moe::v1::MoeDiagnostics::WithStreamedUnaryMethod_GetPlacementAdvice<
+        moe::v1::MoeDiagnostics::WithStreamedUnaryMethod_SetRouterBias<
+            moe::v1::MoeDiagnostics::WithStreamedUnaryMethod_ApplyPlacement<
+                moe::v1::MoeDiagnostics::Service>>>>;
+
+class DiagnosticsServiceImpl final : public DiagnosticsServiceBase {
  public:
   explicit DiagnosticsServiceImpl(Gateway* gateway) : gateway_(gateway) {}
 
-  grpc::Status GetLoadBalance(grpc::ServerContext* context,
-                              const moe::v1::GetLoadBalanceRequest* request,
-                              moe::v1::LoadBalanceReport* response) override;
-  grpc::Status GetPlacementAdvice(grpc::ServerContext* context,
-                                  const moe::v1::GetPlacementAdviceRequest* request,
-                                  moe::v1::PlacementAdvice* response) override;
-  grpc::Status SetRouterBias(grpc::ServerContext* context,
-                             const moe::v1::SetRouterBiasRequest* request,
-                             moe::v1::SetRouterBiasResponse* response) override;
-  grpc::Status ApplyPlacement(grpc::ServerContext* context,
-                              const moe::v1::ApplyPlacementRequest* request,
-                              moe::v1::ApplyPlacementResponse* response) override;
+  grpc::Status StreamedGetLoadBalance(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<moe::v1::GetLoadBalanceRequest, moe::v1::LoadBalanceReport>* stream)
+      override;
+  grpc::Status StreamedGetPlacementAdvice(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<moe::v1::GetPlacementAdviceRequest, moe::v1::PlacementAdvice>*
+          stream) override;
+  grpc::Status StreamedSetRouterBias(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<moe::v1::SetRouterBiasRequest, moe::v1::SetRouterBiasResponse>*
+          stream) override;
+  grpc::Status StreamedApplyPlacement(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<moe::v1::ApplyPlacementRequest, moe::v1::ApplyPlacementResponse>*
+          stream) override;
 
  private:
   Gateway* gateway_;
 };
 
-class RankControlServiceImpl final : public moe::v1::internal::RankControl::Service {
+using RankControlServiceBase = moe::v1::internal::RankControl::WithStreamedUnaryMethod_Challenge<
+    moe::v1::internal::RankControl::WithStreamedUnaryMethod_Register<
+        moe::v1::internal::RankControl::Service>>;
+
+// The control port. Nothing is read before the peer proved it is a rank (access_control.h).
+class RankControlServiceImpl final : public RankControlServiceBase {
  public:
   explicit RankControlServiceImpl(Gateway* gateway) : gateway_(gateway) {}
 
-  grpc::Status Register(grpc::ServerContext* context,
-                        const moe::v1::internal::RegisterRequest* request,
-                        moe::v1::internal::RegisterResponse* response) override;
+  grpc::Status StreamedChallenge(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<moe::v1::internal::ChallengeRequest,
+                                moe::v1::internal::ChallengeResponse>* stream) override;
+  grpc::Status StreamedRegister(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<moe::v1::internal::RegisterRequest,
+                                moe::v1::internal::RegisterResponse>* stream) override;
   grpc::Status Exchange(grpc::ServerContext* context, ExchangeServerStream* stream) override;
 
  private:
+  grpc::Status Register(const moe::v1::internal::RegisterRequest& request, int requested_rank,
+                        const std::string& peer, moe::v1::internal::RegisterResponse* response);
+
   Gateway* gateway_;
 };
 

@@ -168,6 +168,13 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
                         .Help("Tokens of accepted requests waiting for a step, all layers")
                         .Register(*registry_)
                         .Add({});
+  stream_buffer_bytes_ = &BuildGauge()
+                              .Name("moe_stream_buffer_bytes")
+                              .Help(
+                                  "Responses held for slow ForwardStream readers, all streams "
+                                  "(queued, and reserved for requests being computed)")
+                              .Register(*registry_)
+                              .Add({});
   build_info_ = &BuildGauge()
                      .Name("moe_build_info")
                      .Help("The build and backend of this process (value 1)")
@@ -245,6 +252,10 @@ void GatewayMetrics::SetRequestsInFlight(int64_t requests) {
 
 void GatewayMetrics::SetQueuedTokens(int64_t tokens) {
   queued_tokens_->Set(static_cast<double>(tokens));
+}
+
+void GatewayMetrics::SetStreamBufferBytes(int64_t bytes) {
+  stream_buffer_bytes_->Set(static_cast<double>(bytes));
 }
 
 void GatewayMetrics::SetBuildInfo(const std::string& backend) {

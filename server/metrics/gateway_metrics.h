@@ -59,6 +59,7 @@ class GatewayMetrics final : public StepObserver {
   void SetExpertsUnavailable(int experts);
   void SetRequestsInFlight(int64_t requests);
   void SetQueuedTokens(int64_t tokens);
+  void SetStreamBufferBytes(int64_t bytes);
   // moe_build_info{version, commit, backend, kernels} = 1, for the gateway's backend.
   void SetBuildInfo(const std::string& backend);
   // The placement serving now: its generation and each expert's replica count.
@@ -116,6 +117,7 @@ class GatewayMetrics final : public StepObserver {
   prometheus::Gauge* placement_generation_;
   prometheus::Gauge* requests_in_flight_;
   prometheus::Gauge* queued_tokens_;
+  prometheus::Gauge* stream_buffer_bytes_;
   prometheus::Family<prometheus::Gauge>* build_info_;
   prometheus::Family<prometheus::Gauge>* expert_replicas_;
   prometheus::Family<prometheus::Counter>* placement_changes_;

@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
   bool exit_on_disconnect = false;
   int64_t debug_step_delay_ms = 0;
   int metrics_port = -1;
-  std::string metrics_host = "0.0.0.0";
+  std::string metrics_host = "127.0.0.1";
   moe::Flags flags(
       "usage: moe-rank --gateway HOST:CONTROL_PORT [--rank R] [options]\n\n"
       "Registers with moe-gateway, loads its shard of the routed experts (memory-mapped from the\n"
@@ -58,7 +58,8 @@ int main(int argc, char** argv) {
   flags.Int("metrics-port", &metrics_port,
             "serve Prometheus /metrics on this port (-1 = off, 0 = any free port)");
   flags.Range("metrics-port", -1, 65535);
-  flags.String("metrics-host", &metrics_host, "metrics listen address");
+  flags.String("metrics-host", &metrics_host,
+               "metrics listen address (0.0.0.0 or the pod IP to let Prometheus in from outside)");
   flags.Int("debug-step-delay-ms", &debug_step_delay_ms,
             "fault injection: delay every step (tests only)");
   flags.Bool("debug-nan-partials", &options.debug_nan_partials,

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/progress.h"
 #include "core/status.h"
-#include "security/tokens.h"
+#include "security/rank_handshake.h"
 #include "server/backend_factory.h"
 #include "server/grpc_status.h"
 
@@ -273,6 +273,20 @@ absl::Status RankWorker::LoadRegisteredShards(
 }
 
 absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* registration) {
+  // The gateway may still be starting: the challenge waits for it.
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  moe::v1::internal::ChallengeResponse challenge;
+  {
+    grpc::ClientContext context;
+    context.set_wait_for_ready(true);
+    context.set_deadline(absl::ToChronoTime(deadline));
+    RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Challenge(
+                            &context, moe::v1::internal::ChallengeRequest(), &challenge)),
+                        absl::StrCat("asking ", options_.gateway, " for a registration challenge"));
+  }
+  if (challenge.token_required() && options_.cluster_token.empty())
+    return absl::UnauthenticatedError(
+        absl::StrCat(options_.gateway, " requires a cluster token (--cluster-token-file)"));
   moe::v1::internal::RegisterRequest request;
   request.set_requested_rank(options_.requested_rank >= 0 ? options_.requested_rank : rank_.load());
   request.set_hostname(Hostname());
@@ -282,9 +296,13 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
   request.set_backend(options_.backend);
   request.set_device(backend_->name());
   grpc::ClientContext context;
-  AddBearerToken(&context, options_.cluster_token);
-  context.set_wait_for_ready(true);  // the gateway may still be starting
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
+  // The token is proven, never sent: a recording of this call cannot be replayed.
+  context.AddMetadata(kRankIdKey, absl::StrCat(request.requested_rank()));
+  context.AddMetadata(kRankNonceKey, challenge.nonce());
+  if (!options_.cluster_token.empty())
+    context.AddMetadata(kRankProofKey, RegistrationProof(options_.cluster_token, challenge.nonce(),
+                                                         request.requested_rank()));
+  context.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(30))));
   RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Register(&context, request, registration)),
                       absl::StrCat("registering with ", options_.gateway));
   rank_ = registration->rank();
@@ -312,7 +330,11 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
 
 absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse& registration) {
   auto context = std::make_unique<grpc::ClientContext>();
-  AddBearerToken(context.get(), options_.cluster_token);
+  context->AddMetadata(kRankIdKey, absl::StrCat(registration.rank()));
+  context->AddMetadata(kRankSessionKey, registration.session());
+  if (!options_.cluster_token.empty())
+    context->AddMetadata(kRankProofKey, ExchangeProof(options_.cluster_token,
+                                                      registration.session(), registration.rank()));
   grpc::ClientContext* raw_context = context.get();
   std::unique_ptr<ExchangeClientStream> stream = stub_->Exchange(raw_context);
   moe::v1::internal::RankToGateway hello;

@@ -126,7 +126,8 @@ class PythonClientOverMutualTlsTest(PythonClientServiceTest):
             f.write("python-test-token\n")
         cert = lambda name: os.path.join(cls.certs, name)  # noqa: E731
         cls.cluster_flags = ["--tls-cert", cert("gateway.pem"), "--tls-key", cert("gateway.key"),
-                             "--tls-ca", cert("ca.pem")]
+                             "--tls-ca", cert("ca.pem"), "--rank-tls-cert", cert("rank.pem"),
+                             "--rank-tls-key", cert("rank.key")]
         cls.gateway_flags = ["--api-token-file", os.path.join(cls.tmp.name, "api-token")]
 
     @classmethod

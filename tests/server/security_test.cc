@@ -19,10 +19,12 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "moe/v1/internal.grpc.pb.h"
 #include "security/credentials.h"
+#include "security/rank_handshake.h"
 #include "security/tokens.h"
 #include "tests/server/service_testing.h"
 #include "tests/testing/child_process.h"
 #include "tests/testing/local_cluster.h"
+#include "tests/testing/recording_relay.h"
 #include "tests/testing/test_checkpoints.h"
 
 namespace moe {
@@ -72,6 +74,20 @@ class SecurityTest : public ::testing::Test {
 
   ClusterOptions Options(int ranks = 2) {
     ClusterOptions options{checkpoint_, ranks};
+    return options;
+  }
+
+  // mTLS on both ports with `certs`; the ranks' client certificate is their only credential.
+  ClusterOptions MutualTlsOptions() {
+    ClusterOptions options = Options();
+    options.cluster_token = false;
+    options.gateway_args = {"--tls-cert", Cert("certs", "gateway.pem"),
+                            "--tls-key",  Cert("certs", "gateway.key"),
+                            "--tls-ca",   Cert("certs", "ca.pem")};
+    options.rank_args = {"--tls-ca",   Cert("certs", "ca.pem"),
+                         "--tls-cert", Cert("certs", "rank.pem"),
+                         "--tls-key",  Cert("certs", "rank.key")};
+    options.client_tls = ClientTls("certs", "client");
     return options;
   }
 
@@ -148,16 +164,7 @@ TEST_F(SecurityTest, ATlsGatewayRefusesPlaintextAndServesTlsBitIdentical) {
 }
 
 TEST_F(SecurityTest, MutualTlsAdmitsOnlyCaSignedClientsAndRanks) {
-  ClusterOptions options = Options();
-  options.cluster_token = false;  // the client certificate is the ranks' only credential
-  options.gateway_args = {"--tls-cert", Cert("certs", "gateway.pem"),
-                          "--tls-key",  Cert("certs", "gateway.key"),
-                          "--tls-ca",   Cert("certs", "ca.pem")};
-  options.rank_args = {"--tls-ca",   Cert("certs", "ca.pem"),
-                       "--tls-cert", Cert("certs", "rank.pem"),
-                       "--tls-key",  Cert("certs", "rank.key")};
-  options.client_tls = ClientTls("certs", "client");
-  LocalCluster cluster(options);
+  LocalCluster cluster(MutualTlsOptions());
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
 
   CallResult result = Forward(Channel(cluster.target(), ClientTls("certs", "client")));
@@ -191,10 +198,23 @@ TEST_F(SecurityTest, ARogueRankIsRefusedAndTheRealRankTakesItsSlotBack) {
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   auto control = moe::v1::internal::RankControl::NewStub(
       grpc::CreateChannel(cluster.control_target(), grpc::InsecureChannelCredentials()));
+  // A registration as moe-rank makes it, with `token` in place of the cluster token (or no
+  // proof at all when it is empty).
   auto register_as = [&](int rank, const std::string& token) {
+    moe::v1::internal::ChallengeResponse challenge;
+    {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+      EXPECT_TRUE(
+          control->Challenge(&context, moe::v1::internal::ChallengeRequest(), &challenge).ok());
+      EXPECT_TRUE(challenge.token_required());
+    }
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    AddBearerToken(&context, token);
+    context.AddMetadata(kRankIdKey, std::to_string(rank));
+    context.AddMetadata(kRankNonceKey, challenge.nonce());
+    if (!token.empty())
+      context.AddMetadata(kRankProofKey, RegistrationProof(token, challenge.nonce(), rank));
     moe::v1::internal::RegisterRequest request;
     request.set_requested_rank(rank);
     moe::v1::internal::RegisterResponse response;
@@ -210,10 +230,22 @@ TEST_F(SecurityTest, ARogueRankIsRefusedAndTheRealRankTakesItsSlotBack) {
   ASSERT_FALSE(cluster.Serving());
   grpc::Status refused = register_as(1, "");
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAUTHENTICATED) << refused.error_message();
-  EXPECT_EQ(refused.error_message(), "no cluster token (authorization: Bearer <token> metadata)");
+  EXPECT_NE(refused.error_message().find("no registration proof"), std::string::npos)
+      << refused.error_message();
   refused = register_as(1, "guessed-token");
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_EQ(refused.error_message(), "wrong cluster token");
+  EXPECT_EQ(refused.error_message(), "wrong cluster token (registration proof does not match)");
+  // The bearer token itself opens nothing: the control plane never takes it.
+  {
+    grpc::ClientContext context;
+    AddBearerToken(&context, *ReadTokenFile(cluster.token_file()));
+    context.AddMetadata(kRankIdKey, "1");
+    moe::v1::internal::RegisterRequest request;
+    request.set_requested_rank(1);
+    moe::v1::internal::RegisterResponse response;
+    EXPECT_EQ(control->Register(&context, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
   // A rank process with a wrong token file exits with the refusal.
   const std::string wrong = cluster.dir() + "/wrong-token";
   std::ofstream(wrong) << "not-the-token\n";
@@ -235,6 +267,162 @@ TEST_F(SecurityTest, ARogueRankIsRefusedAndTheRealRankTakesItsSlotBack) {
   while (!cluster.Serving() && absl::Now() < ready_by) absl::SleepFor(absl::Milliseconds(50));
   ASSERT_TRUE(cluster.Serving()) << returning->Log() << cluster.Logs();
   CallResult result = Call(cluster.stub(), layer_, x_, {5, reference_->config().hidden_size});
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.output, expected_);
+}
+
+// The control plane's refusals counted by the gateway (moe_auth_failures_total{plane="control"}).
+double ControlAuthFailures(const LocalCluster& cluster) {
+  const std::string metrics = testing::Shell(absl::StrCat(
+      "curl -s --max-time 5 http://127.0.0.1:", cluster.gateway_metrics_port(), "/metrics"));
+  const std::string series = "moe_auth_failures_total{plane=\"control\"} ";
+  const size_t at = metrics.find(series);
+  return at == std::string::npos ? -1 : std::stod(metrics.substr(at + series.size()));
+}
+
+TEST_F(SecurityTest, UnderMutualTlsOnlyARankCertificateRegisters) {
+  ClusterOptions options = MutualTlsOptions();
+  options.metrics = true;
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  EXPECT_NE(cluster.gateway().Log().find("mTLS, spiffe://moe-serve/rank"), std::string::npos);
+  auto caller = Channel(cluster.target(), ClientTls("certs", "client"));
+  cluster.rank(1).Signal(SIGKILL);
+  const absl::Time down_by = absl::Now() + absl::Seconds(10);
+  while (cluster.Serving() && absl::Now() < down_by) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_FALSE(cluster.Serving());
+  const double before = ControlAuthFailures(cluster);
+
+  // The callers' and the gateway's certificates come from the same CA, and are refused.
+  for (const char* identity : {"client", "gateway"}) {
+    auto rogue = StartRank(cluster, 1,
+                           {"--tls-ca", Cert("certs", "ca.pem"), "--tls-cert",
+                            Cert("certs", absl::StrCat(identity, ".pem")), "--tls-key",
+                            Cert("certs", absl::StrCat(identity, ".key"))},
+                           absl::StrCat("rogue-", identity, ".log"));
+    const int status = rogue->Wait(absl::Seconds(20));
+    ASSERT_NE(status, -1) << rogue->Log();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << rogue->Log();
+    EXPECT_NE(rogue->Log().find("PERMISSION_DENIED"), std::string::npos) << rogue->Log();
+    EXPECT_NE(rogue->Log().find("not a rank's: it carries no URI SAN spiffe://moe-serve/rank"),
+              std::string::npos)
+        << rogue->Log();
+    // No caller gets an answer meanwhile, right or wrong: rank 1's experts have no replica.
+    CallResult result = Forward(caller);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << result.status.error_message();
+  }
+  EXPECT_FALSE(cluster.Serving());
+  EXPECT_GE(ControlAuthFailures(cluster), before + 2);
+  EXPECT_NE(cluster.gateway().Log().find("refused control call Challenge"), std::string::npos)
+      << cluster.gateway().Log();
+
+  // The real rank's certificate still registers, and the results are the reference's again.
+  auto returning = StartRank(cluster, 1,
+                             {"--tls-ca", Cert("certs", "ca.pem"), "--tls-cert",
+                              Cert("certs", "rank.pem"), "--tls-key", Cert("certs", "rank.key")},
+                             "rank1-again.log");
+  const absl::Time ready_by = absl::Now() + absl::Seconds(30);
+  while (!cluster.Serving() && absl::Now() < ready_by) absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(cluster.Serving()) << returning->Log() << cluster.Logs();
+  CallResult result = Forward(caller);
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.output, expected_);
+}
+
+TEST_F(SecurityTest, ARankCaOfItsOwnKeepsEveryOtherCertificateOffTheControlPort) {
+  // Callers and the gateway's identity from `certs`; ranks from `other`, through --rank-ca.
+  ClusterOptions options = Options();
+  options.cluster_token = false;
+  options.gateway_args = {
+      "--tls-cert", Cert("certs", "gateway.pem"), "--tls-key", Cert("certs", "gateway.key"),
+      "--tls-ca",   Cert("certs", "ca.pem"),      "--rank-ca", Cert("other", "ca.pem")};
+  options.rank_args = {"--tls-ca",   Cert("certs", "ca.pem"),
+                       "--tls-cert", Cert("other", "rank.pem"),
+                       "--tls-key",  Cert("other", "rank.key")};
+  options.client_tls = ClientTls("certs", "client");
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  CallResult result = Forward(Channel(cluster.target(), ClientTls("certs", "client")));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.output, expected_);
+  // A rank certificate of the callers' CA, identity and all, fails the handshake.
+  cluster.rank(1).Signal(SIGKILL);
+  auto rogue = StartRank(cluster, 1,
+                         {"--tls-ca", Cert("certs", "ca.pem"), "--tls-cert",
+                          Cert("certs", "rank.pem"), "--tls-key", Cert("certs", "rank.key")},
+                         "rogue.log");
+  const int status = rogue->Wait(absl::Seconds(20));
+  ASSERT_NE(status, -1) << rogue->Log();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << rogue->Log();
+  EXPECT_FALSE(cluster.Serving());
+}
+
+TEST_F(SecurityTest, ARecordedRegistrationHoldsNoTokenAndCannotBeReplayed) {
+  ClusterOptions options = Options();
+  options.metrics = true;
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  const std::string token = *ReadTokenFile(cluster.token_file());
+  cluster.rank(1).Signal(SIGKILL);
+  const absl::Time down_by = absl::Now() + absl::Seconds(10);
+  while (cluster.Serving() && absl::Now() < down_by) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_FALSE(cluster.Serving());
+
+  // Rank 1 comes back through a proxy that records everything it sends to the control port.
+  testing::RecordingRelay relay(cluster.control_port());
+  std::vector<std::string> argv = {testing::BinaryPath("moe-rank"),
+                                   "--gateway",
+                                   absl::StrCat("127.0.0.1:", relay.port()),
+                                   "--rank",
+                                   "1",
+                                   "--threads",
+                                   "1",
+                                   "--exit-on-disconnect",
+                                   "--cluster-token-file",
+                                   cluster.token_file()};
+  auto recorded_rank =
+      std::make_unique<testing::ChildProcess>(argv, cluster.dir() + "/rank1-relayed.log");
+  const absl::Time ready_by = absl::Now() + absl::Seconds(30);
+  while (!cluster.Serving() && absl::Now() < ready_by) absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(cluster.Serving()) << recorded_rank->Log() << cluster.Logs();
+  CallResult result = Call(cluster.stub(), layer_, x_, {5, reference_->config().hidden_size});
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.output, expected_);
+  recorded_rank->Signal(SIGKILL);
+  recorded_rank->Wait(absl::Seconds(10));
+  const absl::Time gone_by = absl::Now() + absl::Seconds(10);
+  while (cluster.Serving() && absl::Now() < gone_by) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_FALSE(cluster.Serving());
+
+  const std::vector<std::string> recorded = relay.client_bytes();
+  ASSERT_FALSE(recorded.empty());
+  ASSERT_NE(recorded[0].find("moe-rank-proof"), std::string::npos) << "the recording is real";
+  for (const std::string& bytes : recorded)
+    EXPECT_EQ(bytes.find(token), std::string::npos) << "the token crossed the wire";
+
+  // The whole recorded connection, replayed verbatim: its registration and its exchange are
+  // refused and counted (the log shows the first refusal of the second: one line a second);
+  // the slot stays free.
+  const double before = ControlAuthFailures(cluster);
+  testing::Replay(cluster.control_port(), recorded[0], absl::Seconds(2));
+  EXPECT_GE(ControlAuthFailures(cluster), before + 2) << cluster.gateway().Log();
+  const std::string log = cluster.gateway().Log();
+  EXPECT_NE(log.find("registration nonce already used (a replayed registration)"),
+            std::string::npos)
+      << log;
+  EXPECT_FALSE(cluster.Serving());
+  result = Call(cluster.stub(), layer_, x_, {5, reference_->config().hidden_size});
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << result.status.error_message();
+
+  // The real rank, with the token, takes the slot and serves the reference's results.
+  auto returning =
+      StartRank(cluster, 1, {"--cluster-token-file", cluster.token_file()}, "rank1-again.log");
+  const absl::Time back_by = absl::Now() + absl::Seconds(30);
+  while (!cluster.Serving() && absl::Now() < back_by) absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(cluster.Serving()) << returning->Log() << cluster.Logs();
+  result = Call(cluster.stub(), layer_, x_, {5, reference_->config().hidden_size});
   ASSERT_TRUE(result.status.ok()) << result.status.error_message();
   EXPECT_EQ(result.output, expected_);
 }

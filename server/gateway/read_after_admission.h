@@ -1,0 +1,44 @@
+// Unary methods whose request message is read only once the caller is admitted.
+//
+// For an ordinary unary method gRPC reads the whole request before the handler runs: a caller
+// without a token could make the gateway buffer up to the message limit before being refused.
+// Registered as "streamed unary" (the generated WithStreamedUnaryMethod_*), the handler runs on
+// the initial metadata alone: the admission check (a token, a rank's proof) comes first, and
+// the message is read only after it passed. The transport then holds no more of a refused
+// call's message than its flow-control window.
+//
+// A request that does not parse gets INVALID_ARGUMENT naming the message type (an ordinary unary
+// method answers INTERNAL with no message); an oversized one is refused by gRPC itself while it
+// is read (RESOURCE_EXHAUSTED).
+#pragma once
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+
+namespace moe {
+
+// Runs `admit()`; if it passes, reads the request and answers it with `handle(request,
+// &response)`.
+template <class Request, class Response, class Admit, class Handle>
+grpc::Status ReadAfterAdmission(grpc::ServerContext& context,
+                                grpc::ServerUnaryStreamer<Request, Response>& stream, Admit&& admit,
+                                Handle&& handle) {
+  if (grpc::Status s = admit(); !s.ok()) return s;
+  Request request;
+  if (!stream.Read(&request)) {
+    if (context.IsCancelled())
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("the request is not a valid ",
+                                     Request::descriptor()->full_name(), " message"));
+  }
+  Response response;
+  grpc::Status status = handle(request, &response);
+  if (status.ok() && !stream.Write(response))
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away before the response");
+  return status;
+}
+
+}  // namespace moe
