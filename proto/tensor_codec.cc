@@ -15,6 +15,11 @@ int64_t HostTensor::num_elements() const {
   return n;
 }
 
+std::string DTypeForMessage(moe::v1::DType dtype) {
+  const std::string& name = moe::v1::DType_Name(dtype);
+  return name.empty() ? absl::StrCat(static_cast<int>(dtype), " (not a DType value)") : name;
+}
+
 const char* DTypeName(moe::v1::DType dtype) {
   switch (dtype) {
     case moe::v1::BF16:
@@ -50,7 +55,7 @@ absl::Status CheckTensor(const moe::v1::Tensor& tensor, const char* what,
   const int elem = ElementSize(tensor.dtype());
   if (elem == 0)
     return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ",
-                                                   moe::v1::DType_Name(tensor.dtype()),
+                                                   DTypeForMessage(tensor.dtype()),
                                                    " is not supported (BF16, FP16, FP32)"));
   *n = 1;
   for (int64_t d : tensor.shape()) {

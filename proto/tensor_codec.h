@@ -41,5 +41,7 @@ absl::Status EncodeActivations(const ActivationRows& rows, const std::vector<int
                                moe::v1::DType dtype, moe::v1::Tensor* out);
 
 const char* DTypeName(moe::v1::DType dtype);
+// The enum's name for messages; a value the enum does not define shows as its number.
+std::string DTypeForMessage(moe::v1::DType dtype);
 
 }  // namespace moe

@@ -81,7 +81,9 @@ int main(int argc, char** argv) {
   flags.String("placement", &options.placement_file,
                "expert placement file (one line of expert ids per rank)");
   flags.Int("max-tokens-per-step", &options.batcher.max_tokens_per_step,
-            "tokens batched into one step");
+            "tokens in one step, larger requests split: a small call waits behind about one step "
+            "of a large one (lower: shorter waits; higher: expert weights read once for more "
+            "tokens, which memory-bound GPUs want)");
   flags.Range("max-tokens-per-step", 1, 1 << 24);
   flags.Int("max-wait-us", &max_wait_us, "how long a step waits for more requests");
   flags.Int("max-request-tokens", &options.max_request_tokens,

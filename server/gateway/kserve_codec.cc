@@ -72,7 +72,9 @@ absl::StatusOr<int> KServeModelLayer(absl::string_view name) {
   const absl::string_view digits = name.substr(std::min(name.size(), kModelPrefix.size()));
   const bool all_digits = !digits.empty() && digits.size() <= 9 &&
                           std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit);
-  if (!absl::StartsWith(name, kModelPrefix) || !all_digits || !absl::SimpleAtoi(digits, &layer))
+  // One spelling per model: "moe-layer-01" is not "moe-layer-1".
+  if (!absl::StartsWith(name, kModelPrefix) || !all_digits || !absl::SimpleAtoi(digits, &layer) ||
+      digits != absl::StrCat(layer))
     return absl::NotFoundError(absl::StrCat("unknown model '", absl::CEscape(name.substr(0, 64)),
                                             "' (models are named moe-layer-<L>)"));
   return layer;

@@ -13,6 +13,10 @@ absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRe
                                                         const RequestLimits& limits) {
   ValidatedRequest out;
   out.layer = request.layer();
+  if (request.request_id().size() > kMaxRequestIdBytes)
+    return absl::InvalidArgumentError(absl::StrCat("request_id is ", request.request_id().size(),
+                                                   " bytes, more than the ", kMaxRequestIdBytes,
+                                                   " echoed back"));
   if (std::find(limits.layers.begin(), limits.layers.end(), request.layer()) == limits.layers.end())
     return absl::NotFoundError(
         absl::StrCat("layer ", request.layer(),
@@ -64,7 +68,7 @@ absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRe
   if (out.output_dtype != moe::v1::BF16 && out.output_dtype != moe::v1::FP16 &&
       out.output_dtype != moe::v1::FP32)
     return absl::InvalidArgumentError(absl::StrCat("output_dtype ",
-                                                   moe::v1::DType_Name(out.output_dtype),
+                                                   DTypeForMessage(out.output_dtype),
                                                    " is not supported (BF16, FP16, FP32)"));
   return out;
 }

@@ -11,6 +11,9 @@
 
 namespace moe {
 
+// A request id is echoed in the response: an id, not a payload.
+inline constexpr size_t kMaxRequestIdBytes = 256;
+
 struct RequestLimits {
   int64_t hidden_size = 0;
   int64_t max_request_tokens = 0;
@@ -27,7 +30,7 @@ struct ValidatedRequest {
 };
 
 // INVALID_ARGUMENT: dtype, shape, byte count, empty batch, NaN/Inf (or, for a bf16 layer, a
-// value beyond bf16's range).
+// value beyond bf16's range), a request id over kMaxRequestIdBytes.
 // NOT_FOUND: layer not served. RESOURCE_EXHAUSTED: more tokens than the limit.
 absl::StatusOr<ValidatedRequest> ValidateForwardRequest(const moe::v1::ForwardRequest& request,
                                                         const RequestLimits& limits);

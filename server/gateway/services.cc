@@ -133,7 +133,8 @@ grpc::Status MoeServiceImpl::ForwardStream(
                       &gateway_->stream_buffers());
   auto error_response = [](const ForwardRequest& request, const absl::Status& status) {
     ForwardResponse response;
-    response.set_request_id(request.request_id());
+    // Echoed only as far as an id may be long (a longer one is what this error is about).
+    response.set_request_id(request.request_id().substr(0, kMaxRequestIdBytes));
     response.mutable_error()->set_code(static_cast<int>(status.code()));
     response.mutable_error()->set_message(std::string(status.message()));
     return response;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "core/npy.h"
 #include "core/numerics.h"
 #include "inference/grpc_service.pb.h"
@@ -21,6 +22,7 @@
 #include "moe/v1/internal.pb.h"
 #include "moe/v1/moe.pb.h"
 #include "proto/tensor_codec.h"
+#include "security/rank_handshake.h"
 #include "transport/step_codec.h"
 
 namespace moe {
@@ -261,6 +263,35 @@ void StepCorpus() {
   Write("step", "heartbeat.pb", heartbeat.SerializeAsString());
 }
 
+// ---- control --------------------------------------------------------------------------------
+
+void ControlCorpus() {
+  // A nonce and a session as a gateway makes them, with proofs under another token.
+  RankHandshake handshake("seed-token");
+  const std::string nonce = handshake.NewNonce(absl::Now());
+  const std::string session = handshake.OpenSession(1);
+  Write("control", "registration.bin",
+        std::string(1, '\0') + nonce + "\n" + RegistrationProof("guess", nonce, 1) + "\n1");
+  Write("control", "exchange.bin",
+        std::string(1, '\1') + session + "\n" + ExchangeProof("guess", session, 1) + "\n1");
+  Write("control", "honest.bin", std::string(1, '\2') + "3\n17");
+  v1::internal::RegisterRequest request;
+  request.set_requested_rank(-1);
+  request.set_hostname("rank-host");
+  request.add_transports("grpc");
+  request.set_backend("cpu");
+  Write("control", "register.pb", std::string(1, '\3') + request.SerializeAsString());
+  v1::internal::RankToGateway hello;
+  hello.mutable_hello()->set_rank(1);
+  hello.mutable_hello()->set_session(session);
+  hello.mutable_hello()->set_weight_bytes(1 << 20);
+  Write("control", "hello.pb", std::string(1, '\4') + hello.SerializeAsString());
+  v1::internal::RankToGateway loaded;
+  loaded.mutable_shards_loaded()->set_generation(2);
+  loaded.mutable_shards_loaded()->set_error("disk full");
+  Write("control", "shards-loaded.pb", std::string(1, '\4') + loaded.SerializeAsString());
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -277,5 +308,6 @@ int main(int argc, char** argv) {
   moe::RequestCorpus();
   moe::KServeCorpus();
   moe::StepCorpus();
+  moe::ControlCorpus();
   return 0;
 }

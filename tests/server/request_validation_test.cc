@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "server/gateway/kserve_codec.h"
 #include "gtest/gtest.h"
 
 namespace moe {
@@ -76,6 +77,36 @@ TEST(RequestValidationTest, RejectsBadInputWithPreciseCodes) {
   empty.set_layer(1);
   EXPECT_EQ(ValidateForwardRequest(empty, kLimits).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RequestValidationTest, MessagesNameWhatWasSentAndIdsStayIds) {
+  auto r = Request(1, {2, 8});
+  r.mutable_hidden_states()->set_dtype(static_cast<moe::v1::DType>(77));
+  absl::Status s = ValidateForwardRequest(r, kLimits).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("dtype 77 (not a DType value) is not supported"), std::string::npos)
+      << s.message();
+  r = Request(1, {2, 8});
+  r.set_output_dtype(static_cast<moe::v1::DType>(-3));
+  s = ValidateForwardRequest(r, kLimits).status();
+  EXPECT_NE(s.message().find("output_dtype -3 (not a DType value)"), std::string::npos)
+      << s.message();
+  r = Request(1, {2, 8});
+  r.set_request_id(std::string(kMaxRequestIdBytes, 'i'));
+  EXPECT_TRUE(ValidateForwardRequest(r, kLimits).ok());
+  r.set_request_id(std::string(10 << 20, 'i'));
+  s = ValidateForwardRequest(r, kLimits).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "request_id is 10485760 bytes, more than the 256 echoed back");
+}
+
+TEST(RequestValidationTest, KServeModelNamesHaveOneSpelling) {
+  EXPECT_EQ(*KServeModelLayer("moe-layer-1"), 1);
+  EXPECT_EQ(*KServeModelLayer("moe-layer-60"), 60);
+  EXPECT_EQ(*KServeModelLayer("moe-layer-0"), 0);
+  for (const char* name : {"moe-layer-01", "moe-layer-001", "moe-layer-+1", "moe-layer- 1",
+                           "moe-layer-", "moe-layer-1x", "moe-layer-9999999999"})
+    EXPECT_EQ(KServeModelLayer(name).status().code(), absl::StatusCode::kNotFound) << name;
 }
 
 // The decoded rows are the layer's input: fp32/fp16 sent to a bf16 layer rounded once (to

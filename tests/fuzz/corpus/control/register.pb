@@ -1,0 +1,1 @@
+ÿÿÿÿÿÿÿÿÿ	rank-host"grpc*cpu
