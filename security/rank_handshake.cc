@@ -92,8 +92,8 @@ absl::Status RankHandshake::CheckRegistration(absl::string_view nonce_hex,
   if (!DecodeHex(nonce_hex, 2 * kNonceBytes, &nonce) ||
       !DecodeHex(proof_hex, kProofHexChars, &proof))
     return absl::UnauthenticatedError(absl::StrCat(
-        "no registration proof (", kRankNonceKey, " and ", kRankProofKey,
-        " metadata from RankControl/Challenge and the cluster token; moe-rank sends them)"));
+        "no registration proof: this gateway requires the cluster token (moe-rank "
+        "--cluster-token-file; the ", kRankNonceKey, " and ", kRankProofKey, " metadata)"));
   const absl::string_view body =
       absl::string_view(nonce).substr(0, kNonceRandomBytes + kExpiryBytes);
   if (!EqualConstantTime(NonceTag(body), absl::string_view(nonce).substr(body.size())))

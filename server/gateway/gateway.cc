@@ -232,8 +232,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Gateway::Listen(
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(send_limit, INT32_MAX)));
   // What the transport may hold of messages still arriving, all connections together: gRPC reads
   // a message whole before checking its size against the limit, so without a quota four callers
-  // sending 1 GB each made it hold 4 GB before refusing them. Past the quota the stream holding
-  // the most is reset (RST_STREAM ENHANCE_YOUR_CALM: the caller sees RESOURCE_EXHAUSTED).
+  // sending 1 GB each made it hold 4 GB before refusing them. Past the quota gRPC resets a stream
+  // of a connection that holds memory (RST_STREAM ENHANCE_YOUR_CALM: RESOURCE_EXHAUSTED).
   grpc::ResourceQuota quota(absl::StrCat("moe-gateway", flag));
   quota.Resize(static_cast<size_t>(transport_memory));
   builder.SetResourceQuota(quota);

@@ -76,8 +76,9 @@ struct GatewayOptions {
   // together; beyond either, the stream's new requests get RESOURCE_EXHAUSTED.
   int64_t max_stream_buffer_bytes = int64_t{64} << 20;
   int64_t max_stream_buffer_total_bytes = int64_t{256} << 20;
-  // What gRPC may hold of messages still arriving, per port (a grpc::ResourceQuota: past it, the
-  // stream holding the most is reset, RESOURCE_EXHAUSTED); 0 = sized from the message limits.
+  // What gRPC may hold of messages still arriving, per port (a grpc::ResourceQuota: past it,
+  // gRPC resets a stream of a connection holding memory, RESOURCE_EXHAUSTED); 0 = sized from the
+  // message limits.
   int64_t transport_memory_bytes = 0;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port

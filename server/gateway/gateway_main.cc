@@ -110,8 +110,9 @@ int main(int argc, char** argv) {
   flags.Range("stream-buffer-total-mb", 1, int64_t{1} << 20);
   int64_t transport_memory_mb = 0;
   flags.Int("transport-memory-mb", &transport_memory_mb,
-            "what gRPC may hold of messages still arriving, per port (past it the stream holding "
-            "the most is reset: RESOURCE_EXHAUSTED); 0 = 4 of the largest requests, at least 64");
+            "what gRPC may hold of messages still arriving, per port (past it gRPC resets a "
+            "stream of a connection holding memory: RESOURCE_EXHAUSTED); 0 = 4 of the largest "
+            "requests, at least 64");
   flags.Range("transport-memory-mb", 0, int64_t{1} << 20);
   double drain_timeout_s = 30;
   flags.Double("drain-timeout-s", &drain_timeout_s,

@@ -284,9 +284,6 @@ absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* re
                             &context, moe::v1::internal::ChallengeRequest(), &challenge)),
                         absl::StrCat("asking ", options_.gateway, " for a registration challenge"));
   }
-  if (challenge.token_required() && options_.cluster_token.empty())
-    return absl::UnauthenticatedError(
-        absl::StrCat(options_.gateway, " requires a cluster token (--cluster-token-file)"));
   moe::v1::internal::RegisterRequest request;
   request.set_requested_rank(options_.requested_rank >= 0 ? options_.requested_rank : rank_.load());
   request.set_hostname(Hostname());
