@@ -6,6 +6,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "client/gateway_targets.h"
 #include "core/status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/tensor_codec.h"
@@ -116,21 +117,28 @@ absl::StatusOr<std::shared_ptr<MoeClient::Channel>> MoeClient::MakeChannel(
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
               static_cast<int>(std::min<int64_t>(backoff_ms, 1000)));
   AddTlsChannelArgs(options.tls, &args);
+  ASSIGN_OR_RETURN(std::string channel_target, GatewayChannelTarget(target));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    ChannelCredentials(options.tls));
   auto made = std::make_shared<Channel>();
-  made->channel = grpc::CreateCustomChannel(target, credentials, args);
-  if (made->channel == nullptr)
+  // Forwards go only to gateways that take requests; health, model info and diagnostics to any
+  // (a gateway still waiting for its ranks answers them).
+  grpc::ChannelArguments forward_args = args, plain_args = args;
+  AddGatewayFailoverArgs(message_limit, /*health_checked=*/true, &forward_args);
+  AddGatewayFailoverArgs(message_limit, /*health_checked=*/false, &plain_args);
+  made->channel = grpc::CreateCustomChannel(channel_target, credentials, forward_args);
+  made->plain = grpc::CreateCustomChannel(channel_target, credentials, plain_args);
+  if (made->channel == nullptr || made->plain == nullptr)
     return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to '", target, "'"));
   made->stub = moe::v1::MoeService::NewStub(made->channel);
-  made->diagnostics = moe::v1::MoeDiagnostics::NewStub(made->channel);
+  made->info = moe::v1::MoeService::NewStub(made->plain);
+  made->diagnostics = moe::v1::MoeDiagnostics::NewStub(made->plain);
   made->message_limit = message_limit;
   return made;
 }
 
 absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Connect(const std::string& target,
                                                               const ClientOptions& options) {
-  if (target.empty()) return absl::InvalidArgumentError("empty target (want HOST:PORT)");
   if (options.max_message_bytes < 0)
     return absl::InvalidArgumentError(
         "max_message_bytes must be positive (or 0: sized from the server)");
@@ -195,7 +203,7 @@ absl::StatusOr<moe::v1::ModelInfo> MoeClient::GetModelInfo(absl::Duration timeou
   Prepare(&context, timeout);
   moe::v1::ModelInfo info;
   RETURN_IF_ERROR(FromGrpcStatus(
-      channel()->stub->GetModelInfo(&context, moe::v1::GetModelInfoRequest(), &info)));
+      channel()->info->GetModelInfo(&context, moe::v1::GetModelInfoRequest(), &info)));
   return info;
 }
 
@@ -258,7 +266,7 @@ absl::StatusOr<bool> MoeClient::IsServing(const std::string& service, absl::Dura
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  auto stub = grpc::health::v1::Health::NewStub(channel()->channel);
+  auto stub = grpc::health::v1::Health::NewStub(channel()->plain);
   RETURN_IF_ERROR(FromGrpcStatus(stub->Check(&context, request, &response)));
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
@@ -266,7 +274,7 @@ absl::StatusOr<bool> MoeClient::IsServing(const std::string& service, absl::Dura
 absl::Status MoeClient::WaitUntilServing(absl::Duration timeout, const std::string& service) {
   const absl::Time deadline = absl::Now() + timeout;
   std::string last = "no answer";
-  auto stub = grpc::health::v1::Health::NewStub(channel()->channel);
+  auto stub = grpc::health::v1::Health::NewStub(channel()->plain);
   for (;;) {
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) break;

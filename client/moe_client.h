@@ -160,9 +160,13 @@ class MoeClient {
  private:
   // One channel and its stubs. Replaced by a larger one once sized; calls and streams still on
   // the old one keep it alive through their shared_ptr.
+  // Both channels round-robin over the gateways and retry UNAVAILABLE elsewhere
+  // (client/gateway_targets.h); `channel` skips gateways that take no requests.
   struct Channel {
-    std::shared_ptr<grpc::Channel> channel;
+    std::shared_ptr<grpc::Channel> channel;  // Forward, ForwardStream
+    std::shared_ptr<grpc::Channel> plain;    // health, model info, diagnostics
     std::unique_ptr<moe::v1::MoeService::Stub> stub;
+    std::unique_ptr<moe::v1::MoeService::Stub> info;
     std::unique_ptr<moe::v1::MoeDiagnostics::Stub> diagnostics;
     int message_limit = 0;
   };

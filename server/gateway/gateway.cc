@@ -212,9 +212,7 @@ absl::Status Gateway::Start() {
              {moe_service_.get(), diagnostics_service_.get(), kserve_service_.get()}, "--port"));
   std::lock_guard<std::mutex> lock(health_mu_);
   health_ = server_->GetHealthCheckService();
-  // Named as well as overall (""): probes may ask for the service by name.
-  health_->SetServingStatus("moe.v1.MoeService", ready());
-  health_->SetServingStatus(ready());
+  SetHealthLocked();
   return absl::OkStatus();
 }
 
@@ -366,6 +364,19 @@ bool Gateway::AcceptsRequests() const {
   return false;
 }
 
+void Gateway::SetHealthLocked() {
+  if (health_ == nullptr) return;
+  // Overall (""): ready, every expert has a live replica (probes, moe-cluster). The service
+  // name is what clients' round_robin checks (GatewayServiceConfig): a gateway that has been
+  // ready takes requests while some rank serves, so a degraded cluster still serves the calls
+  // whose experts are up (NOT_SERVING everywhere would fail them all); one that has never been
+  // ready (just restarted, its ranks still registering) or is draining gets none.
+  const bool ready_now = ready();
+  ever_ready_ = ever_ready_ || ready_now;
+  health_->SetServingStatus(ready_now && !draining_);
+  health_->SetServingStatus("moe.v1.MoeService", ever_ready_ && AcceptsRequests() && !draining_);
+}
+
 std::string Gateway::ReadinessMessage() const {
   std::string message = absl::StrCat(transport_->num_up(), " of ", options_.num_ranks, " ranks up");
   if (nccl_ != nullptr && !nccl_->installed())
@@ -454,7 +465,7 @@ void Gateway::OnRankState(int rank, bool up) {
     std::fprintf(stderr, "moe-gateway: serving degraded (%s): every expert has a live replica\n",
                  ReadinessMessage().c_str());
   std::fflush(stderr);
-  if (health_ != nullptr) health_->SetServingStatus(all_up && !draining_);
+  SetHealthLocked();
 }
 
 }  // namespace moe

@@ -197,6 +197,7 @@ class Gateway {
                                                        const std::vector<grpc::Service*>& services,
                                                        const std::string& flag);
   void OnRankState(int rank, bool up);
+  void SetHealthLocked();  // health_mu_ held: both health statuses from the state now
   void EndRequest();  // by RequestSlot
   // ApplyPlacement without the permission check (the operator's own --auto-rebalance).
   absl::StatusOr<PlacementChange> ChangePlacement(const std::string& text,
@@ -242,6 +243,7 @@ class Gateway {
   std::unique_ptr<grpc::Server> control_server_;
   std::mutex health_mu_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // guarded by health_mu_
+  bool ever_ready_ = false;                              // guarded by health_mu_
   int port_ = 0;
   int control_port_ = 0;
   std::atomic<bool> draining_{false};

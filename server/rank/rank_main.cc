@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "core/flags.h"
 #include "security/tokens.h"
 #include "server/metrics/rank_metrics.h"
@@ -27,11 +28,14 @@ int main(int argc, char** argv) {
   int metrics_port = -1;
   std::string metrics_host = "127.0.0.1";
   moe::Flags flags(
-      "usage: moe-rank --gateway HOST:CONTROL_PORT [--rank R] [options]\n\n"
-      "Registers with moe-gateway, loads its shard of the routed experts (memory-mapped from the\n"
-      "checkpoint, in their stored format) and serves steps until stopped.");
-  flags.String("gateway", &options.gateway,
-               "the gateway's control address HOST:PORT (its --control-port)");
+      "usage: moe-rank --gateway HOST:CONTROL_PORT[,HOST:CONTROL_PORT...] [--rank R] [options]\n\n"
+      "Registers with every moe-gateway given, loads its shard of the routed experts once\n"
+      "(memory-mapped from the checkpoint, in their stored format) and serves the steps of all\n"
+      "of them until stopped.");
+  std::string gateways;
+  flags.String("gateway", &gateways,
+               "the gateways' control addresses HOST:PORT (their --control-port), comma "
+               "separated: one session each (several need --rank)");
   moe::AddTlsFlags(flags, &options.tls, /*server=*/false);
   std::string cluster_token_file;
   flags.String("cluster-token-file", &cluster_token_file,
@@ -76,6 +80,17 @@ int main(int argc, char** argv) {
   }
   if (absl::Status s = moe::CheckTlsFiles(options.tls, /*server=*/false); !s.ok()) {
     std::fprintf(stderr, "moe-rank: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  options.gateways = absl::StrSplit(gateways, ',', absl::SkipWhitespace());
+  if (options.gateways.empty()) {
+    std::fprintf(stderr, "moe-rank: --gateway names no address\n");
+    return 2;
+  }
+  if (options.gateways.size() > 1 && options.requested_rank < 0) {
+    std::fprintf(stderr,
+                 "moe-rank: --rank is needed with several gateways (each must know this rank by "
+                 "the same id)\n");
     return 2;
   }
   options.connect_timeout = absl::Seconds(connect_timeout_s);

@@ -2,9 +2,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <set>
+#include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "core/progress.h"
@@ -12,9 +16,6 @@
 #include "security/rank_handshake.h"
 #include "server/backend_factory.h"
 #include "server/grpc_status.h"
-
-#include <thread>
-
 #include "transport/cuda_plugin.h"
 
 namespace moe {
@@ -54,29 +55,382 @@ absl::Status PoisonPartials(PartialView partial, Backend* backend) {
   return backend->CopyToBackend(partial.data, &nan, sizeof nan);
 }
 
+// Each layer's experts, ascending by layer.
+ShardLayout LayoutOf(const google::protobuf::RepeatedPtrField<moe::v1::internal::LayerShard>& shards) {
+  ShardLayout layout;
+  for (const auto& shard : shards)
+    layout.emplace_back(shard.layer(),
+                        std::vector<int>(shard.experts().begin(), shard.experts().end()));
+  std::sort(layout.begin(), layout.end());
+  return layout;
+}
+
+ShardLayout LayoutOfShards(const std::map<int, std::shared_ptr<ExpertShard>>& shards) {
+  ShardLayout layout;
+  for (const auto& [layer, shard] : shards) layout.emplace_back(layer, shard->expert_ids());
+  return layout;
+}
+
 }  // namespace
 
-RankWorker::RankWorker(const RankOptions& options) : options_(options) {
-  auto backend = CreateBackend(options.backend, options.device, options.cpu);
-  if (backend.ok()) {
-    backend_ = std::move(*backend);
-    workspace_ = std::make_unique<Workspace>(backend_.get());
-  } else {
-    backend_status_ = backend.status();
-  }
+void FairTurn::Acquire() {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t ticket = next_++;
+  cv_.wait(lock, [&] { return serving_ == ticket; });
+}
+
+void FairTurn::Release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++serving_;
+  cv_.notify_all();
+}
+
+// ---- one gateway ----------------------------------------------------------------------------
+
+class RankWorker::Session {
+ public:
+  Session(RankWorker* worker, int index, std::string gateway);
+
+  // Registers, serves steps, and registers again when the gateway goes away (with backoff),
+  // until Stop(), an error retrying cannot fix, or (reconnect off) the end of an exchange.
+  absl::Status Run();
+  void Cancel();  // unblocks the exchange in progress (Stop)
+  // Writes a control message (ShardsLoaded) on the current exchange; UNAVAILABLE without one.
+  absl::Status SendControl(const moe::v1::internal::RankToGateway& message);
+
+ private:
+  absl::Status RegisterAndLoad(moe::v1::internal::RegisterResponse* registration);
+  absl::Status Serve(const moe::v1::internal::RegisterResponse& registration);
+  // Answers steps from `transport` until it fails or is cancelled.
+  absl::Status ServeSteps(RankTransport& transport);
+  // A control message from the gateway (the reader thread: must not block).
+  void OnControl(const moe::v1::internal::GatewayToRank& message);
+  void SetCancel(std::function<void()> cancel);
+  void SetControlSink(std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink);
+  // "moe-rank R" with one gateway, "moe-rank R (gateway HOST:PORT)" with several.
+  std::string Who() const;
+
+  RankWorker* const worker_;
+  const int index_;
+  const std::string gateway_;
+  absl::Status setup_;  // the channel's credentials
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<moe::v1::internal::RankControl::Stub> stub_;
+  Workspace workspace_;  // this session's step buffers: replies read them after the turn
+  std::mutex transport_mu_;
+  std::function<void()> cancel_;  // guarded by transport_mu_
+  // Held while the sink is called, so clearing it waits for a call in progress (the sink writes
+  // on the exchange stream, which goes away with the exchange).
+  std::mutex sink_mu_;
+  std::function<absl::Status(const moe::v1::internal::RankToGateway&)>
+      control_sink_;  // guarded by sink_mu_
+};
+
+RankWorker::Session::Session(RankWorker* worker, int index, std::string gateway)
+    : worker_(worker),
+      index_(index),
+      gateway_(std::move(gateway)),
+      workspace_(worker->backend_.get()) {
+  const RankOptions& options = worker->options_;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
   args.SetMaxSendMessageSize(
       static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+  // A restarted gateway is found within a second (gRPC's reconnect backoff grows to 120 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   AddTlsChannelArgs(options.tls, &args);
   auto credentials = ChannelCredentials(options.tls);
   if (!credentials.ok()) {
-    backend_status_ = credentials.status();
+    setup_ = credentials.status();
     credentials = grpc::InsecureChannelCredentials();  // never used: Run() fails first
   }
-  channel_ = grpc::CreateCustomChannel(options.gateway, *credentials, args);
+  channel_ = grpc::CreateCustomChannel(gateway_, *credentials, args);
   stub_ = moe::v1::internal::RankControl::NewStub(channel_);
+}
+
+std::string RankWorker::Session::Who() const {
+  if (worker_->options_.gateways.size() == 1) return absl::StrCat("moe-rank ", worker_->rank());
+  return absl::StrCat("moe-rank ", worker_->rank(), " (gateway ", gateway_, ")");
+}
+
+void RankWorker::Session::Cancel() {
+  std::lock_guard<std::mutex> lock(transport_mu_);
+  if (cancel_) cancel_();
+}
+
+void RankWorker::Session::SetCancel(std::function<void()> cancel) {
+  std::lock_guard<std::mutex> lock(transport_mu_);
+  cancel_ = std::move(cancel);
+}
+
+void RankWorker::Session::SetControlSink(
+    std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink) {
+  std::lock_guard<std::mutex> lock(sink_mu_);
+  control_sink_ = std::move(sink);
+}
+
+absl::Status RankWorker::Session::SendControl(const moe::v1::internal::RankToGateway& message) {
+  std::lock_guard<std::mutex> lock(sink_mu_);
+  if (!control_sink_) return absl::UnavailableError("no exchange with this gateway now");
+  return control_sink_(message);
+}
+
+void RankWorker::Session::OnControl(const moe::v1::internal::GatewayToRank& message) {
+  if (message.has_load_shards()) worker_->QueueLoad(index_, message.load_shards());
+  if (message.has_keep_shards()) worker_->Keep(index_, message.keep_shards().generation());
+}
+
+absl::Status RankWorker::Session::RegisterAndLoad(
+    moe::v1::internal::RegisterResponse* registration) {
+  const RankOptions& options = worker_->options_;
+  // The gateway may still be starting: the challenge waits for it.
+  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  moe::v1::internal::ChallengeResponse challenge;
+  {
+    grpc::ClientContext context;
+    context.set_wait_for_ready(true);
+    context.set_deadline(absl::ToChronoTime(deadline));
+    RETURN_IF_ERROR_CTX(
+        FromGrpcStatus(stub_->Challenge(&context, moe::v1::internal::ChallengeRequest(),
+                                        &challenge)),
+        absl::StrCat("asking ", gateway_, " for a registration challenge"));
+  }
+  moe::v1::internal::RegisterRequest request;
+  request.set_requested_rank(options.requested_rank >= 0 ? options.requested_rank
+                                                         : worker_->rank_.load());
+  request.set_hostname(Hostname());
+  request.set_pid(getpid());
+  request.add_transports("grpc");
+  if (TransportBuilt("nccl") && options.backend == "cuda") request.add_transports("nccl");
+  request.set_backend(options.backend);
+  request.set_device(worker_->backend_->name());
+  grpc::ClientContext context;
+  // The token is proven, never sent: a recording of this call cannot be replayed.
+  context.AddMetadata(kRankIdKey, absl::StrCat(request.requested_rank()));
+  context.AddMetadata(kRankNonceKey, challenge.nonce());
+  if (!options.cluster_token.empty())
+    context.AddMetadata(kRankProofKey, RegistrationProof(options.cluster_token, challenge.nonce(),
+                                                         request.requested_rank()));
+  context.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(30))));
+  RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Register(&context, request, registration)),
+                      absl::StrCat("registering with ", gateway_));
+  worker_->rank_ = registration->rank();
+  if (registration->transport() == "nccl" &&
+      (!TransportBuilt("nccl") || options.backend != "cuda"))
+    return absl::FailedPreconditionError(
+        absl::StrCat("the gateway uses transport nccl: start moe-rank with --backend cuda",
+                     TransportBuilt("nccl") ? "" : " (this build has no NCCL transport)"));
+  if (registration->transport() != "grpc" && registration->transport() != "nccl")
+    return absl::UnimplementedError(
+        absl::StrCat("unknown transport '", registration->transport(), "'"));
+  const absl::Time t0 = absl::Now();
+  RETURN_IF_ERROR_CTX(worker_->LoadRegisteredShards(index_, *registration),
+                      absl::StrCat("registered with ", gateway_));
+  const int layers = registration->shards_size();
+  const int experts = layers == 0 ? 0 : registration->shards(0).experts_size();
+  std::fprintf(
+      stderr,
+      "%s: %d layers, %d experts each, %.2f GB of weights, backend %s, ready in %.1f s\n",
+      Who().c_str(), layers, experts, worker_->weight_bytes_.load() / 1e9,
+      worker_->backend_->name().c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
+  std::fflush(stderr);
+  if (worker_->observer_ != nullptr)
+    worker_->observer_->OnRegistered(worker_->rank(), worker_->weight_bytes_.load());
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::Session::Serve(const moe::v1::internal::RegisterResponse& registration) {
+  const RankOptions& options = worker_->options_;
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->AddMetadata(kRankIdKey, absl::StrCat(registration.rank()));
+  context->AddMetadata(kRankSessionKey, registration.session());
+  if (!options.cluster_token.empty())
+    context->AddMetadata(kRankProofKey, ExchangeProof(options.cluster_token,
+                                                      registration.session(), registration.rank()));
+  grpc::ClientContext* raw_context = context.get();
+  std::unique_ptr<ExchangeClientStream> stream = stub_->Exchange(raw_context);
+  moe::v1::internal::RankToGateway hello;
+  hello.mutable_hello()->set_rank(registration.rank());
+  hello.mutable_hello()->set_session(registration.session());
+  hello.mutable_hello()->set_weight_bytes(worker_->weight_bytes_.load());
+  hello.mutable_hello()->set_backend(worker_->backend_->name());
+  hello.mutable_hello()->set_placement_generation(registration.placement_generation());
+  struct ClearCancel {
+    Session* self;
+    ~ClearCancel() {
+      self->SetCancel(nullptr);
+      self->SetControlSink(nullptr);
+    }
+  } clear_cancel{this};
+
+  // The gateway's liveness settings (older gateways send none: the defaults).
+  LivenessOptions liveness;
+  if (registration.heartbeat_ms() > 0)
+    liveness.heartbeat = absl::Milliseconds(registration.heartbeat_ms());
+  if (registration.peer_timeout_ms() > 0)
+    liveness.peer_timeout = absl::Milliseconds(registration.peer_timeout_ms());
+
+  if (registration.transport() == "grpc") {
+    if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
+    GrpcRankTransport transport(
+        std::move(context), std::move(stream), worker_->backend_.get(), liveness,
+        [this](const moe::v1::internal::GatewayToRank& message) { OnControl(message); });
+    SetControlSink([&transport](const moe::v1::internal::RankToGateway& message) {
+      return transport.SendControl(message);
+    });
+    SetCancel([&transport] { transport.Cancel(); });
+    absl::Status status = worker_->stop_ ? absl::CancelledError("stopping") : ServeSteps(transport);
+    SetControlSink(nullptr);  // before the transport goes
+    return status;
+  }
+  // NCCL carries the steps; the exchange stream stays open as the liveness channel (the
+  // gateway sees this rank die when it breaks, and the rank stops when the gateway goes).
+  ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
+  NcclRankSetup setup;
+  setup.rank = registration.nccl_rank();
+  setup.num_ranks = registration.num_ranks();
+  setup.unique_id = registration.nccl_unique_id();
+  setup.backend = worker_->backend_.get();
+  ASSIGN_OR_RETURN(NcclRankSession session, plugin->create_nccl_rank(setup));
+  std::function<void()> cancel = session.cancel;
+  SetCancel([cancel, raw_context] {
+    cancel();
+    raw_context->TryCancel();
+  });
+  if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
+  // Heartbeats and ShardsLoaded out (the only writes after the hello, one at a time); a gateway
+  // silent for the timeout counts as gone, like a broken stream.
+  std::mutex write_mu;
+  SetControlSink([&stream, &write_mu](const moe::v1::internal::RankToGateway& message) {
+    std::lock_guard<std::mutex> lock(write_mu);
+    return stream->Write(message) ? absl::OkStatus()
+                                  : absl::UnavailableError("exchange stream broke");
+  });
+  StreamLiveness stream_liveness(
+      liveness,
+      [&stream, &write_mu] {
+        std::unique_lock<std::mutex> lock(write_mu, std::try_to_lock);
+        if (!lock.owns_lock()) return;  // another message is going out: proof enough
+        moe::v1::internal::RankToGateway heartbeat;
+        heartbeat.mutable_heartbeat();
+        stream->Write(heartbeat);
+      },
+      [cancel, raw_context] {
+        cancel();
+        raw_context->TryCancel();
+      });
+  std::thread watcher([this, &stream, &stream_liveness, cancel] {
+    moe::v1::internal::GatewayToRank message;
+    while (stream->Read(&message)) {
+      stream_liveness.Heard();
+      OnControl(message);  // heartbeats are ignored there
+    }
+    cancel();  // the gateway went away: leave the NCCL group
+  });
+  absl::Status status = worker_->stop_ ? absl::CancelledError("stopping") : ServeSteps(*session.transport);
+  raw_context->TryCancel();
+  watcher.join();
+  SetControlSink(nullptr);  // before the stream and its mutex go
+  return status;
+}
+
+absl::Status RankWorker::Session::ServeSteps(RankTransport& transport) {
+  const RankOptions& options = worker_->options_;
+  Backend* backend = worker_->backend_.get();
+  RankStepObserver* observer = worker_->observer_;
+  for (;;) {
+    auto step = transport.Receive();
+    if (!step.ok()) return step.status();
+    // Held to the end of the step: a KeepShards meanwhile drops the generation, not this shard.
+    const std::shared_ptr<ExpertShard> shard =
+        worker_->FindShard(step->placement_generation, step->layer);
+    absl::StatusOr<ConstPartialView> result = absl::FailedPreconditionError(
+        absl::StrCat("layer ", step->layer, " of placement generation ", step->placement_generation,
+                     " is not loaded here"));
+    std::set<int32_t> active(step->assignments.local_experts.begin(),
+                             step->assignments.local_experts.end());
+    // The gateways' steps take turns in arrival order; a device also takes turns with loading.
+    worker_->compute_turn_.Acquire();
+    const absl::Time t0 = absl::Now();
+    std::unique_lock<std::mutex> device_lock(worker_->device_mu_, std::defer_lock);
+    if (backend->space() == MemorySpace::kDevice) device_lock.lock();
+    if (shard != nullptr) {
+      auto partial = workspace_.Partial(0, step->rows.rows, step->rows.cols);
+      if (!partial.ok()) {
+        result = partial.status();
+      } else {
+        absl::Status s = shard->Compute(step->rows, step->assignments, step->precision, *partial);
+        if (s.ok() && options.debug_nan_partials) s = PoisonPartials(*partial, backend);
+        result = s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
+                        : absl::StatusOr<ConstPartialView>(s);
+      }
+    }
+    device_lock = {};
+    worker_->compute_turn_.Release();
+    if (options.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options.debug_step_delay);
+    RankStepStats stats;
+    stats.compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
+    stats.active_experts = static_cast<int>(active.size());
+    if (observer != nullptr) {
+      RankStepReport report;
+      report.layer = step->layer;
+      report.rows = step->rows.rows;
+      report.active_experts = stats.active_experts;
+      report.compute = absl::Microseconds(stats.compute_us);
+      report.bytes_received = step->wire_bytes;
+      // The reply's payload: one fp64 partial per row (the transport adds a few bytes of framing).
+      report.bytes_sent = step->rows.rows * step->rows.cols * static_cast<int64_t>(sizeof(double));
+      observer->OnRankStep(report);
+    }
+    RETURN_IF_ERROR(transport.Reply(step->step_id, result, stats));
+  }
+}
+
+absl::Status RankWorker::Session::Run() {
+  if (!setup_.ok()) return setup_;
+  absl::Duration backoff = absl::Milliseconds(200);
+  for (;;) {
+    if (worker_->stop_) return absl::OkStatus();
+    moe::v1::internal::RegisterResponse registration;
+    absl::Status s = RegisterAndLoad(&registration);
+    if (s.ok()) {
+      backoff = absl::Milliseconds(200);
+      s = Serve(registration);
+    }
+    if (worker_->stop_) return absl::OkStatus();
+    // Configuration errors will not fix themselves; connection problems may. ALREADY_EXISTS:
+    // the gateway still counts this rank id up, i.e. a previous process of this rank that died
+    // or hung and that liveness has not yet timed out; it will, and then this one takes over.
+    const bool retryable = absl::IsUnavailable(s) || absl::IsCancelled(s) ||
+                           absl::IsDeadlineExceeded(s) || absl::IsFailedPrecondition(s) ||
+                           absl::IsAlreadyExists(s);
+    if (!worker_->options_.reconnect || !retryable) return s;
+    std::fprintf(stderr, "%s: %s; registering again\n", Who().c_str(), s.ToString().c_str());
+    std::fflush(stderr);
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(1));
+  }
+}
+
+// ---- the rank: sessions, shards ---------------------------------------------------------------
+
+RankWorker::RankWorker(const RankOptions& options) : options_(options) {
+  auto backend = CreateBackend(options.backend, options.device, options.cpu);
+  if (backend.ok()) {
+    backend_ = std::move(*backend);
+  } else {
+    backend_status_ = backend.status();
+    return;
+  }
+  if (options.gateways.empty()) backend_status_ = absl::InvalidArgumentError("no gateway given");
+  if (options.gateways.size() > 1 && options.requested_rank < 0)
+    backend_status_ = absl::InvalidArgumentError(
+        "--rank is needed with several gateways: each must know this rank by the same id");
+  for (size_t i = 0; i < options.gateways.size(); ++i)
+    sessions_.push_back(std::make_unique<Session>(this, static_cast<int>(i), options.gateways[i]));
 }
 
 RankWorker::~RankWorker() {
@@ -91,14 +445,33 @@ RankWorker::~RankWorker() {
 
 void RankWorker::Stop() {
   stop_ = true;
-  std::lock_guard<std::mutex> lock(transport_mu_);
-  if (cancel_) cancel_();
+  for (auto& session : sessions_) session->Cancel();
 }
 
-void RankWorker::SetControlSink(
-    std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink) {
-  std::lock_guard<std::mutex> lock(sink_mu_);
-  control_sink_ = std::move(sink);
+absl::Status RankWorker::Run() {
+  if (!backend_status_.ok()) return backend_status_;
+  {
+    std::lock_guard<std::mutex> lock(loader_mu_);
+    if (!loader_.joinable()) loader_ = std::thread([this] { LoaderLoop(); });
+  }
+  std::mutex mu;
+  absl::Status first_error;  // guarded by mu
+  std::vector<std::thread> threads;
+  for (auto& session : sessions_)
+    threads.emplace_back([&, s = session.get()] {
+      const absl::Status status = s->Run();
+      if (stop_) return;  // stopping: whatever the session says is about the stop
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_error.ok())
+          first_error = status.ok() ? absl::CancelledError("a session ended") : status;
+      }
+      // An error retrying cannot fix (or, without reconnecting, a lost gateway) ends the rank.
+      Stop();
+    });
+  for (auto& t : threads) t.join();
+  std::lock_guard<std::mutex> lock(mu);
+  return first_error;
 }
 
 int64_t RankWorker::Bytes(const LayerShards& shards) {
@@ -115,47 +488,79 @@ std::shared_ptr<ExpertShard> RankWorker::FindShard(uint64_t generation, int laye
   return it == g->second.end() ? nullptr : it->second;
 }
 
-void RankWorker::OnControl(const moe::v1::internal::GatewayToRank& message) {
-  if (message.has_load_shards()) {
-    std::lock_guard<std::mutex> lock(loader_mu_);
-    load_queue_.push_back(message.load_shards());
-    loader_cv_.notify_all();
-    return;
+void RankWorker::DropUnheldLocked() {
+  for (auto it = generations_.begin(); it != generations_.end();) {
+    bool held = false;
+    for (const auto& [session, generations] : holds_) held = held || generations.count(it->first);
+    // Steps still running hold their shards (shared_ptr).
+    it = held ? std::next(it) : generations_.erase(it);
   }
-  if (!message.has_keep_shards()) return;
-  const uint64_t keep = message.keep_shards().generation();
+}
+
+void RankWorker::Keep(int session, uint64_t generation) {
   std::lock_guard<std::mutex> lock(shards_mu_);
-  auto kept = generations_.find(keep);
+  auto kept = generations_.find(generation);
   if (kept == generations_.end()) return;  // never loaded here: keep what serves
-  LayerShards shards = std::move(kept->second);
-  generations_.clear();  // steps still running hold their shards (shared_ptr)
-  const int64_t bytes = Bytes(shards);
-  generations_[keep] = std::move(shards);
+  holds_[session] = {generation};
+  DropUnheldLocked();
+  const int64_t bytes = Bytes(kept->second);
   weight_bytes_ = bytes;
   std::fprintf(stderr, "moe-rank %d: serving placement generation %llu (%.2f GB of weights)\n",
-               rank_.load(), static_cast<unsigned long long>(keep), bytes / 1e9);
+               rank_.load(), static_cast<unsigned long long>(generation), bytes / 1e9);
   std::fflush(stderr);
   if (observer_ != nullptr) observer_->OnRegistered(rank_.load(), bytes);
 }
 
+void RankWorker::QueueLoad(int session, const moe::v1::internal::LoadShards& request) {
+  {
+    // Held from the request on: another gateway's KeepShards must not drop it once loaded.
+    std::lock_guard<std::mutex> lock(shards_mu_);
+    holds_[session].insert(request.generation());
+  }
+  std::lock_guard<std::mutex> lock(loader_mu_);
+  load_queue_.emplace_back(session, request);
+  loader_cv_.notify_all();
+}
+
+void RankWorker::Answer(int session, const moe::v1::internal::RankToGateway& message) {
+  // Without an exchange the gateway saw this rank go, and asks again once it is back.
+  (void)sessions_[session]->SendControl(message);
+}
+
 void RankWorker::LoaderLoop() {
   for (;;) {
+    int session = 0;
     moe::v1::internal::LoadShards request;
     {
       std::unique_lock<std::mutex> lock(loader_mu_);
       loader_cv_.wait(lock, [this] { return loader_stop_ || !load_queue_.empty(); });
       if (loader_stop_) return;
-      request = std::move(load_queue_.front());
+      std::tie(session, request) = std::move(load_queue_.front());
       load_queue_.pop_front();
     }
     const absl::Time t0 = absl::Now();
+    const uint64_t generation = request.generation();
     LayerShards current;  // its unchanged layers are shared, not loaded twice
-    {
-      std::lock_guard<std::mutex> lock(shards_mu_);
-      if (!generations_.empty()) current = generations_.rbegin()->second;
-    }
+    bool held_already = false;
     absl::StatusOr<LayerShards> built;
     {
+      std::lock_guard<std::mutex> lock(shards_mu_);
+      auto same = generations_.find(generation);
+      if (same != generations_.end()) {
+        held_already = true;
+        if (LayoutOfShards(same->second) == LayoutOf(request.shards())) {
+          built = same->second;
+        } else {
+          built = absl::AlreadyExistsError(absl::StrCat(
+              "placement generation ", generation,
+              " is held here with another layout: another gateway changed the placement (one "
+              "placement authority at a time)"));
+        }
+      } else if (!generations_.empty()) {
+        current = generations_.rbegin()->second;
+      }
+    }
+    if (!held_already) {
       std::lock_guard<std::mutex> load_lock(load_mu_);
       std::unique_lock<std::mutex> device_lock(device_mu_, std::defer_lock);
       if (backend_->space() == MemorySpace::kDevice) device_lock.lock();
@@ -163,30 +568,23 @@ void RankWorker::LoaderLoop() {
     }
     moe::v1::internal::RankToGateway answer;
     auto* loaded = answer.mutable_shards_loaded();
-    loaded->set_generation(request.generation());
+    loaded->set_generation(generation);
     loaded->set_load_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
     if (built.ok()) {
       loaded->set_weight_bytes(Bytes(*built));
       std::lock_guard<std::mutex> lock(shards_mu_);
-      generations_[request.generation()] = std::move(*built);
+      generations_[generation] = std::move(*built);
     } else {
       loaded->set_code(static_cast<int>(built.status().code()));
       loaded->set_error(std::string(built.status().message()));
     }
     std::fprintf(stderr, "moe-rank %d: placement generation %llu %s in %.2f s%s%s\n", rank_.load(),
-                 static_cast<unsigned long long>(request.generation()),
+                 static_cast<unsigned long long>(generation),
                  built.ok() ? "loaded" : "failed to load", loaded->load_seconds(),
                  built.ok() ? "" : ": ", built.ok() ? "" : loaded->error().c_str());
     std::fflush(stderr);
-    // No session: the gateway saw this rank go and asks again once it is back.
-    std::lock_guard<std::mutex> lock(sink_mu_);
-    if (control_sink_) (void)control_sink_(answer);
+    Answer(session, answer);
   }
-}
-
-void RankWorker::SetCancel(std::function<void()> cancel) {
-  std::lock_guard<std::mutex> lock(transport_mu_);
-  cancel_ = std::move(cancel);
 }
 
 absl::StatusOr<RankWorker::LayerShards> RankWorker::BuildShards(
@@ -232,263 +630,63 @@ absl::StatusOr<RankWorker::LayerShards> RankWorker::BuildShards(
 }
 
 absl::Status RankWorker::LoadRegisteredShards(
-    const moe::v1::internal::RegisterResponse& registration) {
+    int session, const moe::v1::internal::RegisterResponse& registration) {
   const std::string dir =
       options_.checkpoint.empty() ? registration.checkpoint() : options_.checkpoint;
   const std::string prefix =
       absl::StrCat(dir, "|", moe::v1::internal::Precision_Name(registration.precision()));
-  ShardLayout wanted;
-  for (const auto& shard : registration.shards())
-    wanted.emplace_back(shard.layer(),
-                        std::vector<int>(shard.experts().begin(), shard.experts().end()));
+  const ShardLayout wanted = LayoutOf(registration.shards());
   const uint64_t generation = registration.placement_generation();
   std::lock_guard<std::mutex> load_lock(load_mu_);
   {
+    // Loads this session asked for on its previous exchange: its gateway asks again if need be.
     std::lock_guard<std::mutex> loader_lock(loader_mu_);
-    if (!loader_.joinable()) loader_ = std::thread([this] { LoaderLoop(); });
-    load_queue_.clear();  // requests of a previous session
+    for (auto it = load_queue_.begin(); it != load_queue_.end();)
+      it = it->first == session ? load_queue_.erase(it) : std::next(it);
   }
-  std::lock_guard<std::mutex> lock(shards_mu_);
-  if (prefix == loaded_prefix_) {
-    // Registering again (the gateway restarted or lost us): keep a held shard set of the same
-    // layout, under the generation the gateway uses now.
-    for (auto& [held_generation, shards] : generations_) {
-      ShardLayout held;
-      for (const auto& [layer, shard] : shards) held.emplace_back(layer, shard->expert_ids());
-      if (held != wanted) continue;
-      LayerShards kept = std::move(shards);
+  LayerShards reuse;  // its unchanged layers are shared, not loaded twice
+  {
+    std::lock_guard<std::mutex> lock(shards_mu_);
+    auto used_elsewhere = [&](std::optional<uint64_t> which) {
+      for (const auto& [other, held] : holds_)
+        if (other != session && !held.empty() && (!which || held.count(*which))) return true;
+      return false;
+    };
+    if (prefix != loaded_prefix_) {
+      if (!loaded_prefix_.empty() && used_elsewhere(std::nullopt))
+        return absl::FailedPreconditionError(absl::StrCat(
+            "this gateway serves ", prefix, ", another gateway of this rank ", loaded_prefix_,
+            " (checkpoint | precision): the gateways must serve one checkpoint in one precision"));
       generations_.clear();
-      generations_[generation] = std::move(kept);
-      return absl::OkStatus();
+      holds_.clear();
+      loaded_prefix_.clear();
+    } else if (auto held = generations_.find(generation); held != generations_.end()) {
+      if (LayoutOfShards(held->second) == wanted) {
+        holds_[session] = {generation};
+        DropUnheldLocked();
+        weight_bytes_ = Bytes(held->second);
+        return absl::OkStatus();
+      }
+      if (used_elsewhere(generation))
+        return absl::FailedPreconditionError(absl::StrCat(
+            "this gateway's placement generation ", generation,
+            " has another layout than another gateway's: the gateways must start from one "
+            "placement (--placement) and change it through one authority"));
+      generations_.erase(held);
     }
+    if (!generations_.empty()) reuse = generations_.rbegin()->second;
   }
-  generations_.clear();
-  loaded_prefix_.clear();
-  ASSIGN_OR_RETURN(checkpoint_, Checkpoint::Open(dir));
-  ASSIGN_OR_RETURN(LayerShards shards, BuildShards(registration.shards(), {}));
+  if (loaded_prefix_.empty()) {
+    ASSIGN_OR_RETURN(checkpoint_, Checkpoint::Open(dir));
+  }
+  ASSIGN_OR_RETURN(LayerShards shards, BuildShards(registration.shards(), reuse));
+  loaded_prefix_ = prefix;
+  std::lock_guard<std::mutex> lock(shards_mu_);
   weight_bytes_ = Bytes(shards);
   generations_[generation] = std::move(shards);
-  loaded_prefix_ = prefix;
+  holds_[session] = {generation};
+  DropUnheldLocked();
   return absl::OkStatus();
-}
-
-absl::Status RankWorker::RegisterAndLoad(moe::v1::internal::RegisterResponse* registration) {
-  // The gateway may still be starting: the challenge waits for it.
-  const absl::Time deadline = absl::Now() + options_.connect_timeout;
-  moe::v1::internal::ChallengeResponse challenge;
-  {
-    grpc::ClientContext context;
-    context.set_wait_for_ready(true);
-    context.set_deadline(absl::ToChronoTime(deadline));
-    RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Challenge(
-                            &context, moe::v1::internal::ChallengeRequest(), &challenge)),
-                        absl::StrCat("asking ", options_.gateway, " for a registration challenge"));
-  }
-  moe::v1::internal::RegisterRequest request;
-  request.set_requested_rank(options_.requested_rank >= 0 ? options_.requested_rank : rank_.load());
-  request.set_hostname(Hostname());
-  request.set_pid(getpid());
-  request.add_transports("grpc");
-  if (TransportBuilt("nccl") && options_.backend == "cuda") request.add_transports("nccl");
-  request.set_backend(options_.backend);
-  request.set_device(backend_->name());
-  grpc::ClientContext context;
-  // The token is proven, never sent: a recording of this call cannot be replayed.
-  context.AddMetadata(kRankIdKey, absl::StrCat(request.requested_rank()));
-  context.AddMetadata(kRankNonceKey, challenge.nonce());
-  if (!options_.cluster_token.empty())
-    context.AddMetadata(kRankProofKey, RegistrationProof(options_.cluster_token, challenge.nonce(),
-                                                         request.requested_rank()));
-  context.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(30))));
-  RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Register(&context, request, registration)),
-                      absl::StrCat("registering with ", options_.gateway));
-  rank_ = registration->rank();
-  if (registration->transport() == "nccl" &&
-      (!TransportBuilt("nccl") || options_.backend != "cuda"))
-    return absl::FailedPreconditionError(
-        absl::StrCat("the gateway uses transport nccl: start moe-rank with --backend cuda",
-                     TransportBuilt("nccl") ? "" : " (this build has no NCCL transport)"));
-  if (registration->transport() != "grpc" && registration->transport() != "nccl")
-    return absl::UnimplementedError(
-        absl::StrCat("unknown transport '", registration->transport(), "'"));
-  const absl::Time t0 = absl::Now();
-  RETURN_IF_ERROR(LoadRegisteredShards(*registration));
-  const int layers = registration->shards_size();
-  const int experts = layers == 0 ? 0 : registration->shards(0).experts_size();
-  std::fprintf(
-      stderr,
-      "moe-rank %d: %d layers, %d experts each, %.2f GB of weights, backend %s, ready in %.1f s\n",
-      rank_.load(), layers, experts, weight_bytes_.load() / 1e9, backend_->name().c_str(),
-      absl::ToDoubleSeconds(absl::Now() - t0));
-  std::fflush(stderr);
-  if (observer_ != nullptr) observer_->OnRegistered(rank_.load(), weight_bytes_.load());
-  return absl::OkStatus();
-}
-
-absl::Status RankWorker::ServeSession(const moe::v1::internal::RegisterResponse& registration) {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->AddMetadata(kRankIdKey, absl::StrCat(registration.rank()));
-  context->AddMetadata(kRankSessionKey, registration.session());
-  if (!options_.cluster_token.empty())
-    context->AddMetadata(kRankProofKey, ExchangeProof(options_.cluster_token,
-                                                      registration.session(), registration.rank()));
-  grpc::ClientContext* raw_context = context.get();
-  std::unique_ptr<ExchangeClientStream> stream = stub_->Exchange(raw_context);
-  moe::v1::internal::RankToGateway hello;
-  hello.mutable_hello()->set_rank(registration.rank());
-  hello.mutable_hello()->set_session(registration.session());
-  hello.mutable_hello()->set_weight_bytes(weight_bytes_);
-  hello.mutable_hello()->set_backend(backend_->name());
-  hello.mutable_hello()->set_placement_generation(registration.placement_generation());
-  struct ClearCancel {
-    RankWorker* self;
-    ~ClearCancel() {
-      self->SetCancel(nullptr);
-      self->SetControlSink(nullptr);
-    }
-  } clear_cancel{this};
-
-  // The gateway's liveness settings (older gateways send none: the defaults).
-  LivenessOptions liveness;
-  if (registration.heartbeat_ms() > 0)
-    liveness.heartbeat = absl::Milliseconds(registration.heartbeat_ms());
-  if (registration.peer_timeout_ms() > 0)
-    liveness.peer_timeout = absl::Milliseconds(registration.peer_timeout_ms());
-
-  if (registration.transport() == "grpc") {
-    if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
-    GrpcRankTransport transport(
-        std::move(context), std::move(stream), backend_.get(), liveness,
-        [this](const moe::v1::internal::GatewayToRank& message) { OnControl(message); });
-    SetControlSink([&transport](const moe::v1::internal::RankToGateway& message) {
-      return transport.SendControl(message);
-    });
-    SetCancel([&transport] { transport.Cancel(); });
-    absl::Status status = stop_ ? absl::CancelledError("stopping") : ServeSteps(transport);
-    SetControlSink(nullptr);  // before the transport goes
-    return status;
-  }
-  // NCCL carries the steps; the exchange stream stays open as the liveness channel (the
-  // gateway sees this rank die when it breaks, and the rank stops when the gateway goes).
-  ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
-  NcclRankSetup setup;
-  setup.rank = registration.nccl_rank();
-  setup.num_ranks = registration.num_ranks();
-  setup.unique_id = registration.nccl_unique_id();
-  setup.backend = backend_.get();
-  ASSIGN_OR_RETURN(NcclRankSession session, plugin->create_nccl_rank(setup));
-  std::function<void()> cancel = session.cancel;
-  SetCancel([cancel, raw_context] {
-    cancel();
-    raw_context->TryCancel();
-  });
-  if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
-  // Heartbeats and ShardsLoaded out (the only writes after the hello, one at a time); a gateway
-  // silent for the timeout counts as gone, like a broken stream.
-  std::mutex write_mu;
-  SetControlSink([&stream, &write_mu](const moe::v1::internal::RankToGateway& message) {
-    std::lock_guard<std::mutex> lock(write_mu);
-    return stream->Write(message) ? absl::OkStatus()
-                                  : absl::UnavailableError("exchange stream broke");
-  });
-  StreamLiveness stream_liveness(
-      liveness,
-      [&stream, &write_mu] {
-        std::unique_lock<std::mutex> lock(write_mu, std::try_to_lock);
-        if (!lock.owns_lock()) return;  // another message is going out: proof enough
-        moe::v1::internal::RankToGateway heartbeat;
-        heartbeat.mutable_heartbeat();
-        stream->Write(heartbeat);
-      },
-      [cancel, raw_context] {
-        cancel();
-        raw_context->TryCancel();
-      });
-  std::thread watcher([this, &stream, &stream_liveness, cancel] {
-    moe::v1::internal::GatewayToRank message;
-    while (stream->Read(&message)) {
-      stream_liveness.Heard();
-      OnControl(message);  // heartbeats are ignored there
-    }
-    cancel();  // the gateway went away: leave the NCCL group
-  });
-  absl::Status status = stop_ ? absl::CancelledError("stopping") : ServeSteps(*session.transport);
-  raw_context->TryCancel();
-  watcher.join();
-  SetControlSink(nullptr);  // before the stream and its mutex go
-  return status;
-}
-
-absl::Status RankWorker::ServeSteps(RankTransport& transport) {
-  for (;;) {
-    auto step = transport.Receive();
-    if (!step.ok()) return step.status();
-    const absl::Time t0 = absl::Now();
-    // Held to the end of the step: a KeepShards meanwhile drops the generation, not this shard.
-    const std::shared_ptr<ExpertShard> shard = FindShard(step->placement_generation, step->layer);
-    absl::StatusOr<ConstPartialView> result = absl::FailedPreconditionError(
-        absl::StrCat("layer ", step->layer, " of placement generation ", step->placement_generation,
-                     " is not loaded here"));
-    std::set<int32_t> active(step->assignments.local_experts.begin(),
-                             step->assignments.local_experts.end());
-    std::unique_lock<std::mutex> device_lock(device_mu_, std::defer_lock);
-    if (backend_->space() == MemorySpace::kDevice) device_lock.lock();
-    if (shard != nullptr) {
-      auto partial = workspace_->Partial(0, step->rows.rows, step->rows.cols);
-      if (!partial.ok()) {
-        result = partial.status();
-      } else {
-        absl::Status s = shard->Compute(step->rows, step->assignments, step->precision, *partial);
-        if (s.ok() && options_.debug_nan_partials) s = PoisonPartials(*partial, backend_.get());
-        result = s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
-                        : absl::StatusOr<ConstPartialView>(s);
-      }
-    }
-    device_lock = {};
-    if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
-    RankStepStats stats;
-    stats.compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
-    stats.active_experts = static_cast<int>(active.size());
-    if (observer_ != nullptr) {
-      RankStepReport report;
-      report.layer = step->layer;
-      report.rows = step->rows.rows;
-      report.active_experts = stats.active_experts;
-      report.compute = absl::Microseconds(stats.compute_us);
-      report.bytes_received = step->wire_bytes;
-      // The reply's payload: one fp64 partial per row (the transport adds a few bytes of framing).
-      report.bytes_sent = step->rows.rows * step->rows.cols * static_cast<int64_t>(sizeof(double));
-      observer_->OnRankStep(report);
-    }
-    RETURN_IF_ERROR(transport.Reply(step->step_id, result, stats));
-  }
-}
-
-absl::Status RankWorker::Run() {
-  if (!backend_status_.ok()) return backend_status_;
-  absl::Duration backoff = absl::Milliseconds(200);
-  for (;;) {
-    if (stop_) return absl::OkStatus();
-    moe::v1::internal::RegisterResponse registration;
-    absl::Status s = RegisterAndLoad(&registration);
-    if (s.ok()) {
-      backoff = absl::Milliseconds(200);
-      s = ServeSession(registration);
-    }
-    if (stop_) return absl::OkStatus();
-    // Configuration errors will not fix themselves; connection problems may. ALREADY_EXISTS:
-    // the gateway still counts this rank id up, i.e. a previous process of this rank that died
-    // or hung and that liveness has not yet timed out; it will, and then this one takes over.
-    const bool retryable = absl::IsUnavailable(s) || absl::IsCancelled(s) ||
-                           absl::IsDeadlineExceeded(s) || absl::IsFailedPrecondition(s) ||
-                           absl::IsAlreadyExists(s);
-    if (!options_.reconnect || !retryable) return s;
-    std::fprintf(stderr, "moe-rank %d: %s; registering again\n", rank_.load(),
-                 s.ToString().c_str());
-    std::fflush(stderr);
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, absl::Seconds(5));
-  }
 }
 
 }  // namespace moe

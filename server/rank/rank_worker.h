@@ -1,12 +1,19 @@
-// An expert rank: registers with the gateway, loads its shard of the routed experts of every
-// served layer, then answers steps over the transport until stopped.
+// An expert rank: registers with every gateway it is given (one session each, under the same
+// rank id), loads its shard of the routed experts of every served layer once, then answers the
+// steps of all its gateways until stopped.
 //
-// If the gateway goes away the rank registers again (with backoff) and keeps the experts it
-// already holds when its shard is unchanged, so a restarted gateway finds its ranks quickly.
+// Sessions are independent: a gateway that goes away costs only its own session, which
+// registers again with backoff (and finds its experts still loaded when its shard is
+// unchanged); a gateway that hangs holds only its own steps. Steps of different gateways take
+// turns at the compute in arrival order (FairTurn), so a burst from one gateway cannot starve
+// another's; each gateway keeps at most one step per layer in flight, which bounds its queue.
 //
-// Live re-placement: shards are kept per placement generation. LoadShards (on the exchange
-// stream) loads the next generation on a loader thread while steps keep being answered with the
-// current one; steps name the generation they were planned with; KeepShards drops the others.
+// Live re-placement: shards are kept per placement generation, one layout per generation on
+// every gateway (a registration or LoadShards naming a held generation with another layout is
+// refused). LoadShards (on a session's exchange stream) loads a generation on a loader thread
+// while steps keep being answered; steps name the generation they were planned with; KeepShards
+// says which generation that session's gateway still uses, and a generation no session uses any
+// more is dropped.
 #pragma once
 
 #include <atomic>
@@ -14,6 +21,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,10 +40,11 @@
 namespace moe {
 
 struct RankOptions {
-  std::string gateway;          // HOST:PORT of moe-gateway's control port (--control-port)
+  // HOST:PORT of each moe-gateway's control port (--control-port): one session each.
+  std::vector<std::string> gateways;
   TlsFiles tls;                 // trust for the gateway; cert + key: this rank's identity (mTLS)
   std::string cluster_token;    // the gateway's cluster token ("" = none)
-  int requested_rank = -1;      // -1: the gateway picks
+  int requested_rank = -1;      // -1: the gateway picks (one gateway only)
   std::string checkpoint;       // overrides the gateway's path (other mount point)
   std::string backend = "cpu";  // "cpu" or "cuda"
   int device = 0;               // CUDA device (backend cuda)
@@ -73,12 +82,25 @@ class RankStepObserver {
   virtual void OnLoadProgress(double ratio) {}
 };
 
+// Turns in arrival order: a thread that asked first goes first (std::mutex promises nothing).
+class FairTurn {
+ public:
+  void Acquire();
+  void Release();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t next_ = 0, serving_ = 0;  // guarded by mu_
+};
+
 class RankWorker {
  public:
   explicit RankWorker(const RankOptions& options);
   ~RankWorker();
 
-  // Runs until Stop() or an unrecoverable error.
+  // Runs every session until Stop() or an unrecoverable error of any of them (a refusal that
+  // retrying cannot fix, or, with reconnect off, a session that ended).
   absl::Status Run();
   void Stop();
 
@@ -89,56 +111,56 @@ class RankWorker {
   void SetObserver(RankStepObserver* observer) { observer_ = observer; }
 
  private:
-  absl::Status RegisterAndLoad(moe::v1::internal::RegisterResponse* registration);
-  absl::Status ServeSession(const moe::v1::internal::RegisterResponse& registration);
-  // Answers steps from `transport` until it fails or is cancelled.
-  absl::Status ServeSteps(RankTransport& transport);
-  // Makes Stop() cancel `cancel` while a session runs.
-  void SetCancel(std::function<void()> cancel);
+  class Session;  // one gateway (rank_worker.cc)
+
   // Per layer, the shard of one placement generation.
   using LayerShards = std::map<int, std::shared_ptr<ExpertShard>>;
   static int64_t Bytes(const LayerShards& shards);  // their weight bytes
-  absl::Status LoadRegisteredShards(const moe::v1::internal::RegisterResponse& registration);
+  // Makes the registration's generation available (loading what is not held yet) and makes it
+  // the one session `session` holds. FAILED_PRECONDITION when another session's gateway uses
+  // the same generation with another layout, or another checkpoint or precision.
+  absl::Status LoadRegisteredShards(int session,
+                                    const moe::v1::internal::RegisterResponse& registration);
   // Loads `shards`, reusing the layers of `reuse` whose expert lists are the same.
   absl::StatusOr<LayerShards> BuildShards(
       const google::protobuf::RepeatedPtrField<moe::v1::internal::LayerShard>& shards,
       const LayerShards& reuse);
   std::shared_ptr<ExpertShard> FindShard(uint64_t generation, int layer);
-  // A control message from the gateway (reader thread: must not block).
-  void OnControl(const moe::v1::internal::GatewayToRank& message);
+  // Session `session`'s gateway uses only `generation` now (KeepShards): drops every generation
+  // no session holds.
+  void Keep(int session, uint64_t generation);
+  void DropUnheldLocked();  // shards_mu_ held
+  // Queues a LoadShards of session `session` for the loader thread, which answers it there.
+  void QueueLoad(int session, const moe::v1::internal::LoadShards& request);
   void LoaderLoop();  // runs LoadShards requests one at a time
-  // Where ShardsLoaded answers go during a session (null between sessions).
-  void SetControlSink(std::function<absl::Status(const moe::v1::internal::RankToGateway&)> sink);
+  // The answer of a load, on the session's exchange stream (dropped when it has none now).
+  void Answer(int session, const moe::v1::internal::RankToGateway& message);
 
   RankOptions options_;
   absl::Status backend_status_;
   std::unique_ptr<Backend> backend_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<moe::v1::internal::RankControl::Stub> stub_;
   std::unique_ptr<Checkpoint> checkpoint_;  // guarded by load_mu_
   std::mutex load_mu_;                      // one load at a time (registration or LoadShards)
   std::string loaded_prefix_;  // guarded by load_mu_: checkpoint | precision of the shards held
   std::mutex shards_mu_;
   std::map<uint64_t, LayerShards> generations_;  // guarded by shards_mu_
+  // Guarded by shards_mu_: per session, the generations its gateway may still use (what it
+  // registered with, what it asked to load) until it says which one it keeps.
+  std::map<int, std::set<uint64_t>> holds_;
   // Device backends (one CUDA stream): loading and steps take turns; a CPU rank loads beside
   // its steps (its weights are views of the memory-mapped checkpoint).
   std::mutex device_mu_;
+  FairTurn compute_turn_;  // the sessions' steps, one at a time, in arrival order
   std::mutex loader_mu_;
   std::condition_variable loader_cv_;
-  std::deque<moe::v1::internal::LoadShards> load_queue_;  // guarded by loader_mu_
-  bool loader_stop_ = false;                              // guarded by loader_mu_
-  // Held while the sink is called, so clearing it waits for a call in progress (the sink
-  // writes on the session's stream, which goes away with the session).
-  std::mutex sink_mu_;
-  std::function<absl::Status(const moe::v1::internal::RankToGateway&)>
-      control_sink_;  // guarded by sink_mu_
+  // Guarded by loader_mu_: (session, request).
+  std::deque<std::pair<int, moe::v1::internal::LoadShards>> load_queue_;
+  bool loader_stop_ = false;  // guarded by loader_mu_
   std::thread loader_;
-  std::unique_ptr<Workspace> workspace_;
+  std::vector<std::unique_ptr<Session>> sessions_;
   std::atomic<int> rank_{-1};
   std::atomic<int64_t> weight_bytes_{0};
   std::atomic<bool> stop_{false};
-  std::mutex transport_mu_;
-  std::function<void()> cancel_;  // guarded by transport_mu_: unblocks the running session
   RankStepObserver* observer_ = nullptr;
 };
 

@@ -14,6 +14,8 @@ with the gRPC status code and the server's message.
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -73,14 +75,60 @@ def _read_token(token: Optional[str], token_file: Optional[str]) -> Optional[str
     return token
 
 
+def channel_target(targets: str) -> str:
+    """The gRPC target for one gateway or several (as the C++ client's GatewayChannelTarget):
+    "host:port" goes to gRPC's DNS resolver (every address the name has); "host:port,host:port"
+    is resolved here, once, to "ipv4:IP:port,IP:port" (or ipv6:)."""
+    targets = targets.strip()
+    if not targets:
+        raise ValueError("empty target (want HOST:PORT)")
+    if "," not in targets:
+        return targets
+    v4: List[str] = []
+    v6: List[str] = []
+    for entry in (e.strip() for e in targets.split(",")):
+        host, sep, port = entry.rpartition(":")
+        if not entry or not sep or not port or not host:
+            raise ValueError(f"gateway {entry!r} in {targets!r} is not HOST:PORT")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ValueError(f"gateway {entry!r} does not resolve: {e}") from None
+        four = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+        six = [i[4][0] for i in infos if i[0] == socket.AF_INET6]
+        if four:
+            v4.append(f"{four[0]}:{port}")
+        if six:
+            v6.append(f"[{six[0]}]:{port}")
+    return "ipv4:" + ",".join(v4) if v4 else "ipv6:" + ",".join(v6)
+
+
+def service_config(health_checked: bool, attempts: int = 4) -> str:
+    """round_robin over the gateways (health_checked: only those whose "moe.v1.MoeService" health
+    says SERVING), UNAVAILABLE retried on the next one (gRPC's retryPolicy)."""
+    config: dict = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [{
+            "name": [{"service": "moe.v1.MoeService"}, {"service": "moe.v1.MoeDiagnostics"},
+                     {"service": "inference.GRPCInferenceService"}],
+            "retryPolicy": {"maxAttempts": attempts, "initialBackoff": "0.01s", "maxBackoff": "0.1s",
+                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+        }],
+    }
+    if health_checked:
+        config["healthCheckConfig"] = {"serviceName": "moe.v1.MoeService"}
+    return json.dumps(config)
+
+
 class _Channels:
-    """How to make a channel to the gateway (TLS files, limits); both clients use it."""
+    """How to make a channel to the gateways (TLS files, limits, failover); both clients use it."""
 
     def __init__(self, target: str, tls: bool, tls_ca: Optional[str], tls_cert: Optional[str],
                  tls_key: Optional[str], tls_server_name: Optional[str]):
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
-        self.target = target
+        self.target = channel_target(target)
         self.credentials = None
         self.extra_options: list = []
         if tls or tls_ca or tls_cert:
@@ -90,14 +138,19 @@ class _Channels:
             if tls_server_name:
                 self.extra_options.append(("grpc.ssl_target_name_override", tls_server_name))
 
-    def options(self, limit: int) -> list:
+    def options(self, limit: int, health_checked: bool) -> list:
         return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-                *self.extra_options]
+                ("grpc.service_config", service_config(health_checked)), ("grpc.enable_retries", 1),
+                # gRPC retries only requests it kept (256 KiB by default): keep every one.
+                ("grpc.per_rpc_retry_buffer_size", limit), *self.extra_options]
 
-    def make(self, grpc_module: Any, limit: int) -> Any:
+    def make(self, grpc_module: Any, limit: int, health_checked: bool) -> Any:
+        """Forwards go on a health-checked channel (only gateways that take requests); health,
+        model info and diagnostics on one that reaches any gateway."""
+        options = self.options(limit, health_checked)
         if self.credentials is not None:
-            return grpc_module.secure_channel(self.target, self.credentials, options=self.options(limit))
-        return grpc_module.insecure_channel(self.target, options=self.options(limit))
+            return grpc_module.secure_channel(self.target, self.credentials, options=options)
+        return grpc_module.insecure_channel(self.target, options=options)
 
 
 def _request(layer: int, x: Any, dtype: Optional[str], return_routing: bool,
@@ -188,7 +241,11 @@ def _configure(client: Any, target: str, *, tls: bool = False, tls_ca: Optional[
 
 
 class MoeClient:
-    """One channel to a moe.v1 gateway; safe to share between threads.
+    """A client of one moe.v1 gateway or several; safe to share between threads.
+
+    `target` is "host:port" (a name with several addresses reaches them all) or
+    "host:port,host:port,...": calls are spread over the gateways and one that finds its gateway
+    gone (UNAVAILABLE) runs again on another (channel_target, service_config).
 
     TLS when `tls` or any tls_* file is given: tls_ca (PEM path) is the trust for the gateway's
     certificate (else the system's roots); tls_cert + tls_key, a client certificate for a
@@ -210,10 +267,12 @@ class MoeClient:
 
     def _open(self, limit: int) -> None:
         self.max_message_bytes = limit
-        self._channel = self._channels.make(grpc, limit)
+        self._channel = self._channels.make(grpc, limit, health_checked=True)
+        self._plain = self._channels.make(grpc, limit, health_checked=False)
         self._stub = moe_pb2_grpc.MoeServiceStub(self._channel)
-        self._diagnostics = moe_pb2_grpc.MoeDiagnosticsStub(self._channel)
-        self._health_check = self._channel.unary_unary("/grpc.health.v1.Health/Check")
+        self._info = moe_pb2_grpc.MoeServiceStub(self._plain)
+        self._diagnostics = moe_pb2_grpc.MoeDiagnosticsStub(self._plain)
+        self._health_check = self._plain.unary_unary("/grpc.health.v1.Health/Check")
 
     def _call(self, method: Any, request: Any, timeout: Optional[float]) -> Any:
         try:
@@ -227,7 +286,7 @@ class MoeClient:
                 return
             limit = message_limit(self.info())
             if limit > self.max_message_bytes:
-                self._replaced.append(self._channel)
+                self._replaced += [self._channel, self._plain]
                 self._open(limit)
             self._sized = True
 
@@ -241,7 +300,7 @@ class MoeClient:
 
     def info(self, timeout: Optional[float] = 10.0) -> "moe_pb2.ModelInfo":
         """moe.v1.ModelInfo."""
-        return self._call(self._stub.GetModelInfo, moe_pb2.GetModelInfoRequest(), timeout)
+        return self._call(self._info.GetModelInfo, moe_pb2.GetModelInfoRequest(), timeout)
 
     def load_balance(self, layer: int, timeout: Optional[float] = 10.0) -> "moe_pb2.LoadBalanceReport":
         """MoeDiagnostics/GetLoadBalance (the admin token, when the gateway has one)."""
@@ -271,7 +330,7 @@ class MoeClient:
         return _SERVING_STATUS.get(status, f"UNKNOWN({status})")
 
     def close(self) -> None:
-        for channel in [*self._replaced, self._channel]:
+        for channel in [*self._replaced, self._channel, self._plain]:
             channel.close()
 
     def __enter__(self) -> "MoeClient":
@@ -300,9 +359,11 @@ class AsyncMoeClient:
 
     def _open(self, limit: int) -> None:
         self.max_message_bytes = limit
-        self._channel = self._channels.make(grpc.aio, limit)
+        self._channel = self._channels.make(grpc.aio, limit, health_checked=True)
+        self._plain = self._channels.make(grpc.aio, limit, health_checked=False)
         self._stub = moe_pb2_grpc.MoeServiceStub(self._channel)
-        self._diagnostics = moe_pb2_grpc.MoeDiagnosticsStub(self._channel)
+        self._info = moe_pb2_grpc.MoeServiceStub(self._plain)
+        self._diagnostics = moe_pb2_grpc.MoeDiagnosticsStub(self._plain)
 
     async def _call(self, method: Any, request: Any, timeout: Optional[float]) -> Any:
         try:
@@ -320,7 +381,7 @@ class AsyncMoeClient:
                 return
             limit = message_limit(await self.info())
             if limit > self.max_message_bytes:
-                self._replaced.append(self._channel)
+                self._replaced += [self._channel, self._plain]
                 self._open(limit)
             self._sized = True
 
@@ -333,7 +394,7 @@ class AsyncMoeClient:
         return _result(await self._call(self._stub.Forward, request, timeout), x, return_routing)
 
     async def info(self, timeout: Optional[float] = 10.0) -> "moe_pb2.ModelInfo":
-        return await self._call(self._stub.GetModelInfo, moe_pb2.GetModelInfoRequest(), timeout)
+        return await self._call(self._info.GetModelInfo, moe_pb2.GetModelInfoRequest(), timeout)
 
     async def load_balance(self, layer: int,
                            timeout: Optional[float] = 10.0) -> "moe_pb2.LoadBalanceReport":
@@ -341,7 +402,7 @@ class AsyncMoeClient:
                                 moe_pb2.GetLoadBalanceRequest(layer=layer), timeout)
 
     async def close(self) -> None:
-        for channel in [*self._replaced, self._channel]:
+        for channel in [*self._replaced, self._channel, self._plain]:
             await channel.close()
 
     async def __aenter__(self) -> "AsyncMoeClient":
