@@ -79,11 +79,16 @@ std::string GatewayServiceConfig(bool health_checked, int attempts) {
       R"( "retryableStatusCodes": ["UNAVAILABLE"]}}]})");
 }
 
-void AddGatewayFailoverArgs(int message_limit, bool health_checked,
-                            grpc::ChannelArguments* args) {
+void AddGatewayFailoverArgs(int message_limit, bool health_checked, grpc::ChannelArguments* args) {
   args->SetServiceConfigJSON(GatewayServiceConfig(health_checked));
   args->SetInt(GRPC_ARG_ENABLE_RETRIES, 1);
   args->SetInt(GRPC_ARG_PER_RPC_RETRY_BUFFER_SIZE, message_limit);
+  // A gateway that hangs (SIGSTOP, a stalled host) keeps its connection open: pings find it
+  // within kGatewayKeepalive + kGatewayKeepaliveTimeout, and its calls go to another.
+  args->SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kGatewayKeepaliveMs);
+  args->SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kGatewayKeepaliveTimeoutMs);
+  args->SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args->SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
 }
 
 }  // namespace moe

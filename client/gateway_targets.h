@@ -27,8 +27,13 @@ absl::StatusOr<std::string> GatewayChannelTarget(absl::string_view targets);
 // moe.v1 and Open Inference Protocol method.
 std::string GatewayServiceConfig(bool health_checked, int attempts = 4);
 
-// The service config, retries on, and a per-call retry buffer of `message_limit` (gRPC's default,
-// 256 KiB, would make any larger request unretryable).
+// Client keepalive pings: a hung gateway is left within about 3 s (the gateway accepts pings
+// this often: Gateway::Listen).
+inline constexpr int kGatewayKeepaliveMs = 2000;
+inline constexpr int kGatewayKeepaliveTimeoutMs = 1000;
+
+// The service config, retries on, a per-call retry buffer of `message_limit` (gRPC's default,
+// 256 KiB, would make any larger request unretryable), and keepalive pings.
 void AddGatewayFailoverArgs(int message_limit, bool health_checked, grpc::ChannelArguments* args);
 
 }  // namespace moe

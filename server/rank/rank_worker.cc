@@ -56,7 +56,8 @@ absl::Status PoisonPartials(PartialView partial, Backend* backend) {
 }
 
 // Each layer's experts, ascending by layer.
-ShardLayout LayoutOf(const google::protobuf::RepeatedPtrField<moe::v1::internal::LayerShard>& shards) {
+ShardLayout LayoutOf(
+    const google::protobuf::RepeatedPtrField<moe::v1::internal::LayerShard>& shards) {
   ShardLayout layout;
   for (const auto& shard : shards)
     layout.emplace_back(shard.layer(),
@@ -193,10 +194,9 @@ absl::Status RankWorker::Session::RegisterAndLoad(
     grpc::ClientContext context;
     context.set_wait_for_ready(true);
     context.set_deadline(absl::ToChronoTime(deadline));
-    RETURN_IF_ERROR_CTX(
-        FromGrpcStatus(stub_->Challenge(&context, moe::v1::internal::ChallengeRequest(),
-                                        &challenge)),
-        absl::StrCat("asking ", gateway_, " for a registration challenge"));
+    RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Challenge(
+                            &context, moe::v1::internal::ChallengeRequest(), &challenge)),
+                        absl::StrCat("asking ", gateway_, " for a registration challenge"));
   }
   moe::v1::internal::RegisterRequest request;
   request.set_requested_rank(options.requested_rank >= 0 ? options.requested_rank
@@ -218,8 +218,7 @@ absl::Status RankWorker::Session::RegisterAndLoad(
   RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Register(&context, request, registration)),
                       absl::StrCat("registering with ", gateway_));
   worker_->rank_ = registration->rank();
-  if (registration->transport() == "nccl" &&
-      (!TransportBuilt("nccl") || options.backend != "cuda"))
+  if (registration->transport() == "nccl" && (!TransportBuilt("nccl") || options.backend != "cuda"))
     return absl::FailedPreconditionError(
         absl::StrCat("the gateway uses transport nccl: start moe-rank with --backend cuda",
                      TransportBuilt("nccl") ? "" : " (this build has no NCCL transport)"));
@@ -231,11 +230,10 @@ absl::Status RankWorker::Session::RegisterAndLoad(
                       absl::StrCat("registered with ", gateway_));
   const int layers = registration->shards_size();
   const int experts = layers == 0 ? 0 : registration->shards(0).experts_size();
-  std::fprintf(
-      stderr,
-      "%s: %d layers, %d experts each, %.2f GB of weights, backend %s, ready in %.1f s\n",
-      Who().c_str(), layers, experts, worker_->weight_bytes_.load() / 1e9,
-      worker_->backend_->name().c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
+  std::fprintf(stderr,
+               "%s: %d layers, %d experts each, %.2f GB of weights, backend %s, ready in %.1f s\n",
+               Who().c_str(), layers, experts, worker_->weight_bytes_.load() / 1e9,
+               worker_->backend_->name().c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
   std::fflush(stderr);
   if (worker_->observer_ != nullptr)
     worker_->observer_->OnRegistered(worker_->rank(), worker_->weight_bytes_.load());
@@ -248,8 +246,8 @@ absl::Status RankWorker::Session::Serve(const moe::v1::internal::RegisterRespons
   context->AddMetadata(kRankIdKey, absl::StrCat(registration.rank()));
   context->AddMetadata(kRankSessionKey, registration.session());
   if (!options.cluster_token.empty())
-    context->AddMetadata(kRankProofKey, ExchangeProof(options.cluster_token,
-                                                      registration.session(), registration.rank()));
+    context->AddMetadata(kRankProofKey, ExchangeProof(options.cluster_token, registration.session(),
+                                                      registration.rank()));
   grpc::ClientContext* raw_context = context.get();
   std::unique_ptr<ExchangeClientStream> stream = stub_->Exchange(raw_context);
   moe::v1::internal::RankToGateway hello;
@@ -330,7 +328,8 @@ absl::Status RankWorker::Session::Serve(const moe::v1::internal::RegisterRespons
     }
     cancel();  // the gateway went away: leave the NCCL group
   });
-  absl::Status status = worker_->stop_ ? absl::CancelledError("stopping") : ServeSteps(*session.transport);
+  absl::Status status =
+      worker_->stop_ ? absl::CancelledError("stopping") : ServeSteps(*session.transport);
   raw_context->TryCancel();
   watcher.join();
   SetControlSink(nullptr);  // before the stream and its mutex go

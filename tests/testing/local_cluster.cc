@@ -27,15 +27,72 @@ LocalCluster::LocalCluster(const ClusterOptions& options) : options_(options) {
 
 LocalCluster::~LocalCluster() {
   for (auto& r : ranks_) r->Signal(SIGKILL);
-  if (gateway_) gateway_->Signal(SIGKILL);
+  for (auto& g : gateways_)
+    if (g.process) g.process->Signal(SIGKILL);
   ranks_.clear();
-  gateway_.reset();
+  gateways_.clear();
   std::filesystem::remove_all(log_dir_);
 }
 
-std::string LocalCluster::target() const { return absl::StrCat("127.0.0.1:", port_); }
-std::string LocalCluster::control_target() const {
-  return absl::StrCat("127.0.0.1:", control_port_);
+std::string LocalCluster::target(int gateway) const {
+  return absl::StrCat("127.0.0.1:", port(gateway));
+}
+std::string LocalCluster::control_target(int gateway) const {
+  return absl::StrCat("127.0.0.1:", control_port(gateway));
+}
+std::string LocalCluster::targets() const {
+  std::string out;
+  for (size_t i = 0; i < gateways_.size(); ++i)
+    absl::StrAppend(&out, i == 0 ? "" : ",", target(static_cast<int>(i)));
+  return out;
+}
+
+absl::Status LocalCluster::StartGateway(int i, absl::Duration timeout) {
+  Gateway& g = gateways_[i];
+  g.process = std::make_unique<ChildProcess>(
+      g.argv, absl::StrCat(log_dir_, "/gateway", i == 0 ? "" : absl::StrCat(i),
+                           g.starts == 0 ? "" : absl::StrCat(".", g.starts), ".log"));
+  ++g.starts;
+  const std::string line = g.process->WaitForLog("waiting for", timeout);
+  if (line.empty())
+    return absl::DeadlineExceededError(absl::StrCat("gateway did not start:\n", Logs()));
+  // "moe-gateway: serving DIR on 127.0.0.1:PORT, ..."
+  const size_t colon = line.find("127.0.0.1:");
+  if (colon == std::string::npos ||
+      !absl::SimpleAtoi(line.substr(colon + 10, line.find(',', colon) - colon - 10), &g.port))
+    return absl::InternalError(absl::StrCat("cannot parse the gateway port from: ", line));
+  // "moe-gateway: control plane on 127.0.0.1:PORT (...)", logged before the line above.
+  const std::string control = g.process->WaitForLog("control plane on", timeout);
+  const size_t control_at = control.find("127.0.0.1:");
+  if (control_at == std::string::npos ||
+      !absl::SimpleAtoi(
+          control.substr(control_at + 10, control.find(' ', control_at) - control_at - 10),
+          &g.control_port))
+    return absl::InternalError(absl::StrCat("cannot parse the control port from: ", control));
+  if (options_.metrics) {
+    const std::string m = g.process->WaitForLog("metrics on", timeout);
+    const size_t at = m.rfind(':');
+    const size_t slash = m.find('/', at);
+    if (at == std::string::npos ||
+        !absl::SimpleAtoi(m.substr(at + 1, slash - at - 1), &g.metrics_port))
+      return absl::InternalError(
+          absl::StrCat("cannot parse a metrics port from: '", m, "'\n", Logs()));
+  }
+  // Later starts take the same ports (a restarted gateway is found where it was).
+  for (size_t a = 0; a + 1 < g.argv.size(); ++a) {
+    if (g.argv[a] == "--port") g.argv[a + 1] = absl::StrCat(g.port);
+    if (g.argv[a] == "--control-port") g.argv[a + 1] = absl::StrCat(g.control_port);
+    if (g.argv[a] == "--metrics-port") g.argv[a + 1] = absl::StrCat(g.metrics_port);
+  }
+  return absl::OkStatus();
+}
+
+void LocalCluster::RestartGateway(int i) {
+  Gateway& g = gateways_[i];
+  g.process->Signal(SIGKILL);
+  g.process->Wait(absl::Seconds(10));
+  exited_gateways_.push_back(std::move(g.process));
+  ASSERT_TRUE(StartGateway(i, absl::Seconds(30)).ok()) << Logs();
 }
 
 absl::Status LocalCluster::Start(absl::Duration timeout) {
@@ -61,24 +118,15 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
     auth = {"--cluster-token-file", token_file_};
     argv.insert(argv.end(), auth.begin(), auth.end());
   }
+  argv.insert(argv.end(), {"--control-port", "0"});
   argv.insert(argv.end(), options_.gateway_args.begin(), options_.gateway_args.end());
-  gateway_ = std::make_unique<ChildProcess>(argv, log_dir_ + "/gateway.log");
-  const std::string line = gateway_->WaitForLog("waiting for", timeout);
-  if (line.empty())
-    return absl::DeadlineExceededError(absl::StrCat("gateway did not start:\n", Logs()));
-  // "moe-gateway: serving DIR on 127.0.0.1:PORT, ..."
-  const size_t colon = line.find("127.0.0.1:");
-  if (colon == std::string::npos ||
-      !absl::SimpleAtoi(line.substr(colon + 10, line.find(',', colon) - colon - 10), &port_))
-    return absl::InternalError(absl::StrCat("cannot parse the gateway port from: ", line));
-  // "moe-gateway: control plane on 127.0.0.1:PORT (...)", logged before the line above.
-  const std::string control = gateway_->WaitForLog("control plane on", timeout);
-  const size_t control_at = control.find("127.0.0.1:");
-  if (control_at == std::string::npos ||
-      !absl::SimpleAtoi(
-          control.substr(control_at + 10, control.find(' ', control_at) - control_at - 10),
-          &control_port_))
-    return absl::InternalError(absl::StrCat("cannot parse the control port from: ", control));
+  gateways_.resize(std::max(options_.gateways, 1));
+  std::string control_targets;
+  for (size_t i = 0; i < gateways_.size(); ++i) {
+    gateways_[i].argv = argv;
+    if (absl::Status s = StartGateway(static_cast<int>(i), timeout); !s.ok()) return s;
+    absl::StrAppend(&control_targets, i == 0 ? "" : ",", control_target(static_cast<int>(i)));
+  }
   auto metrics_port = [&](const ChildProcess& p, int* port) -> absl::Status {
     const std::string m = p.WaitForLog("metrics on", timeout);
     const size_t at = m.rfind(':');
@@ -88,13 +136,10 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
           absl::StrCat("cannot parse a metrics port from: '", m, "'\n", Logs()));
     return absl::OkStatus();
   };
-  if (options_.metrics) {
-    if (absl::Status s = metrics_port(*gateway_, &gateway_metrics_port_); !s.ok()) return s;
-  }
   for (int r = 0; r < options_.ranks; ++r) {
     std::vector<std::string> rank_argv = {BinaryPath("moe-rank"),
                                           "--gateway",
-                                          control_target(),
+                                          control_targets,
                                           "--rank",
                                           absl::StrCat(r),
                                           "--threads",
@@ -122,16 +167,29 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
   channel_ = grpc::CreateCustomChannel(target(), *credentials, args);
   stub_ = moe::v1::MoeService::NewStub(channel_);
   const absl::Time end = absl::Now() + timeout;
-  while (!Serving()) {
-    if (absl::Now() > end)
-      return absl::DeadlineExceededError(absl::StrCat("cluster not ready:\n", Logs()));
-    if (!gateway_->running()) return absl::InternalError(absl::StrCat("gateway exited:\n", Logs()));
-    absl::SleepFor(absl::Milliseconds(50));
+  for (const Gateway& g : gateways_) {
+    auto health = grpc::health::v1::Health::NewStub(
+        g.port == port()
+            ? channel_
+            : grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", g.port), *credentials, args));
+    for (;;) {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+      grpc::health::v1::HealthCheckResponse response;
+      const grpc::Status s =
+          health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+      if (s.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) break;
+      if (absl::Now() > end)
+        return absl::DeadlineExceededError(absl::StrCat("cluster not ready:\n", Logs()));
+      if (!g.process->running())
+        return absl::InternalError(absl::StrCat("gateway exited:\n", Logs()));
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    // With redundant experts a gateway serves before every rank is up: a test starts with all.
+    const std::string all_up = absl::StrCat("ready (", options_.ranks, " ranks)");
+    if (g.process->WaitForLog(all_up, std::max(end - absl::Now(), absl::Seconds(1))).empty())
+      return absl::DeadlineExceededError(absl::StrCat("not every rank came up:\n", Logs()));
   }
-  // With redundant experts the gateway serves before every rank is up: a test starts with all.
-  const std::string all_up = absl::StrCat("ready (", options_.ranks, " ranks)");
-  if (gateway_->WaitForLog(all_up, std::max(end - absl::Now(), absl::Seconds(1))).empty())
-    return absl::DeadlineExceededError(absl::StrCat("not every rank came up:\n", Logs()));
   return absl::OkStatus();
 }
 
@@ -155,7 +213,11 @@ void LocalCluster::RestartRank(int i) {
 
 std::string LocalCluster::Logs() const {
   std::string out;
-  if (gateway_) absl::StrAppend(&out, "--- gateway\n", gateway_->Log());
+  for (const auto& exited : exited_gateways_)
+    absl::StrAppend(&out, "--- an exited gateway process\n", exited->Log());
+  for (size_t g = 0; g < gateways_.size(); ++g)
+    if (gateways_[g].process)
+      absl::StrAppend(&out, "--- gateway ", g, "\n", gateways_[g].process->Log());
   for (const auto& exited : exited_ranks_)
     absl::StrAppend(&out, "--- an exited rank process\n", exited->Log());
   for (size_t r = 0; r < ranks_.size(); ++r)

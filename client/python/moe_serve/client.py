@@ -142,7 +142,11 @@ class _Channels:
         return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
                 ("grpc.service_config", service_config(health_checked)), ("grpc.enable_retries", 1),
                 # gRPC retries only requests it kept (256 KiB by default): keep every one.
-                ("grpc.per_rpc_retry_buffer_size", limit), *self.extra_options]
+                ("grpc.per_rpc_retry_buffer_size", limit),
+                # A hung gateway keeps its connection open: pings find it within about 3 s.
+                ("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 1000),
+                ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                *self.extra_options]
 
     def make(self, grpc_module: Any, limit: int, health_checked: bool) -> Any:
         """Forwards go on a health-checked channel (only gateways that take requests); health,
