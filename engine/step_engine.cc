@@ -57,11 +57,12 @@ std::shared_ptr<const PlacementGeneration> StepEngine::placement() const {
   return placement_;
 }
 
-std::shared_ptr<const PlacementGeneration> StepEngine::SwitchPlacement(ExpertPlacement next) {
+std::shared_ptr<const PlacementGeneration> StepEngine::SwitchPlacement(ExpertPlacement next,
+                                                                       uint64_t generation) {
   std::lock_guard<std::mutex> lock(placement_mu_);
   auto previous = placement_;
-  placement_ = std::make_shared<const PlacementGeneration>(
-      PlacementGeneration{previous->generation + 1, std::move(next)});
+  placement_ = std::make_shared<const PlacementGeneration>(PlacementGeneration{
+      generation != 0 ? generation : previous->generation + 1, std::move(next)});
   return previous;
 }
 

@@ -82,10 +82,12 @@ class StepEngine {
   Precision precision() const { return precision_; }
   // The placement steps start with now.
   std::shared_ptr<const PlacementGeneration> placement() const;
-  // Switches the steps that start from now on to `next` (generation = the current one + 1) and
-  // returns the previous one: steps in flight hold it until they end, so once the caller's
-  // weak reference expires no step uses it. Only ranks holding the new generation get rows.
-  std::shared_ptr<const PlacementGeneration> SwitchPlacement(ExpertPlacement next);
+  // Switches the steps that start from now on to `next` (as `generation`, by default the
+  // current one + 1) and returns the previous one: steps in flight hold it until they end, so
+  // once the caller's weak reference expires no step uses it. Only ranks holding the new
+  // generation get rows.
+  std::shared_ptr<const PlacementGeneration> SwitchPlacement(ExpertPlacement next,
+                                                             uint64_t generation = 0);
   // Which placement generations rank `rank` has loaded (every rank starts with generation 1).
   // A rank gets rows only while it holds the generation the step was planned with.
   void SetRankGenerations(int rank, std::vector<uint64_t> generations);

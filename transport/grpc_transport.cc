@@ -121,7 +121,8 @@ absl::Status GrpcGatewayTransport::ServeRank(
     RankToGateway message;
     while (stream->Read(&message)) {
       liveness.Heard();
-      if (message.has_shards_loaded() && on_control) on_control(message);
+      if ((message.has_shards_loaded() || message.has_placement_offer()) && on_control)
+        on_control(message);
       if (!message.has_result()) continue;
       std::function<void(int)> on_dropped;
       {

@@ -51,7 +51,7 @@ class GrpcGatewayTransport final : public GatewayTransport {
   // Runs rank `rank`'s side of the exchange on `stream` (the Exchange handler's thread, whose
   // `context` it cancels when the rank falls silent) until the stream ends. The rank counts as
   // up meanwhile, unless it fell silent. Control messages from the rank (anything but results
-  // and heartbeats: ShardsLoaded) go to `on_control`, on this thread.
+  // and heartbeats: ShardsLoaded, PlacementOffer) go to `on_control`, on this thread.
   absl::Status ServeRank(
       int rank, ExchangeServerStream* stream, grpc::ServerContext* context,
       const std::function<void(const moe::v1::internal::RankToGateway&)>& on_control = nullptr);

@@ -108,9 +108,12 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   balance.per_expert = options.metrics.per_expert;
   gateway->diagnostics_ = std::make_unique<BalanceDiagnostics>(gateway->engine_.get(),
                                                                gateway->metrics_.get(), balance);
-  gateway->placement_changer_ =
-      std::make_unique<PlacementChanger>(gateway->engine_.get(), gateway->transport_.get(),
-                                         [g = gateway.get()] { g->OnRankState(-1, true); });
+  gateway->placement_changer_ = std::make_unique<PlacementChanger>(
+      gateway->engine_.get(), gateway->transport_.get(),
+      [g = gateway.get()] { g->OnRankState(-1, true); },
+      [metrics = gateway->metrics_.get()](const PlacementGeneration& followed) {
+        metrics->SetPlacement(followed.generation, followed.placement);
+      });
   gateway->batcher_ = std::make_unique<StepBatcher>(gateway->engine_.get(), options.batcher);
   gateway->stream_buffers_.SetObserver(
       [metrics = gateway->metrics_.get()](int64_t bytes) { metrics->SetStreamBufferBytes(bytes); });

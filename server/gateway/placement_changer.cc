@@ -6,6 +6,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 
 namespace moe {
 namespace {
@@ -21,8 +22,81 @@ std::string RankText(const std::string& text) {
 using moe::v1::internal::GatewayToRank;
 
 PlacementChanger::PlacementChanger(StepEngine* engine, GrpcGatewayTransport* transport,
-                                   std::function<void()> on_change)
-    : engine_(engine), transport_(transport), on_change_(std::move(on_change)) {}
+                                   std::function<void()> on_change,
+                                   std::function<void(const PlacementGeneration&)> on_follow)
+    : engine_(engine),
+      transport_(transport),
+      on_change_(std::move(on_change)),
+      on_follow_(std::move(on_follow)),
+      follower_([this] { FollowLoop(); }) {}
+
+PlacementChanger::~PlacementChanger() {
+  Stop();
+  follower_.join();
+}
+
+void PlacementChanger::OnOffer(int rank, const moe::v1::internal::PlacementOffer& offer) {
+  if (offer.generation() <= engine_->placement()->generation) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  offers_[offer.generation()][rank].assign(offer.experts().begin(), offer.experts().end());
+  // What an authenticated rank can make this hold: a few generations ahead, no more.
+  while (offers_.size() > 4) offers_.erase(offers_.begin());
+  cv_.notify_all();
+}
+
+void PlacementChanger::FollowLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    const int R = engine_->placement()->placement.num_ranks();
+    const uint64_t current = engine_->placement()->generation;
+    auto complete = offers_.end();
+    for (auto it = offers_.begin(); it != offers_.end(); ++it)
+      if (it->first > current && static_cast<int>(it->second.size()) == R) complete = it;
+    if (stopped_) return;
+    if (complete == offers_.end()) {
+      cv_.wait_for(lock, std::chrono::milliseconds(200));
+      continue;
+    }
+    const uint64_t generation = complete->first;
+    std::vector<std::vector<int>> rank_experts(R);
+    for (auto& [rank, experts] : complete->second)
+      if (rank >= 0 && rank < R) rank_experts[rank] = std::move(experts);
+    offers_.erase(offers_.begin(), std::next(complete));
+    lock.unlock();
+    absl::StatusOr<ExpertPlacement> next = ExpertPlacement::FromRankExperts(
+        engine_->placement()->placement.num_experts, std::move(rank_experts));
+    if (next.ok()) {
+      Follow(PlacementGeneration{generation, std::move(*next)});
+    } else {
+      std::fprintf(stderr, "moe-gateway: ranks offered placement generation %llu, unusable: %s\n",
+                   static_cast<unsigned long long>(generation),
+                   std::string(next.status().message()).c_str());
+      std::fflush(stderr);
+    }
+    lock.lock();
+  }
+}
+
+void PlacementChanger::Follow(PlacementGeneration next) {
+  std::lock_guard<std::mutex> apply_lock(apply_mu_);  // never inside this gateway's own change
+  std::shared_ptr<const PlacementGeneration> current = engine_->placement();
+  if (next.generation <= current->generation) return;
+  const int R = current->placement.num_ranks();
+  for (int r = 0; r < R; ++r) engine_->AddRankGeneration(r, next.generation);
+  current.reset();
+  const PlacementGeneration followed = next;
+  std::weak_ptr<const PlacementGeneration> old =
+      engine_->SwitchPlacement(std::move(next.placement), next.generation);
+  while (!old.expired()) absl::SleepFor(absl::Milliseconds(1));
+  for (int r = 0; r < R; ++r) Keep(r, followed.generation);
+  std::fprintf(stderr,
+               "moe-gateway: serving placement generation %llu (another gateway's change, "
+               "offered by every rank)\n",
+               static_cast<unsigned long long>(followed.generation));
+  std::fflush(stderr);
+  if (on_follow_) on_follow_(followed);
+  if (on_change_) on_change_();
+}
 
 GatewayToRank PlacementChanger::LoadMessage(const PlacementGeneration& placement, int rank) const {
   GatewayToRank message;

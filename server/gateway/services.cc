@@ -430,7 +430,10 @@ grpc::Status RankControlServiceImpl::Exchange(grpc::ServerContext* context,
   gateway_->placement_changer().OnHello(rank, hello.placement_generation());
   return ToGrpcStatus(gateway_->grpc_transport().ServeRank(
       rank, stream, context, [this, rank](const moe::v1::internal::RankToGateway& message) {
-        gateway_->placement_changer().OnShardsLoaded(rank, message.shards_loaded());
+        if (message.has_shards_loaded())
+          gateway_->placement_changer().OnShardsLoaded(rank, message.shards_loaded());
+        if (message.has_placement_offer())
+          gateway_->placement_changer().OnOffer(rank, message.placement_offer());
       }));
 }
 

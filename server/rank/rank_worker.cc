@@ -228,6 +228,7 @@ absl::Status RankWorker::Session::RegisterAndLoad(
   const absl::Time t0 = absl::Now();
   RETURN_IF_ERROR_CTX(worker_->LoadRegisteredShards(index_, *registration),
                       absl::StrCat("registered with ", gateway_));
+  worker_->Commit(index_, registration->placement_generation());
   const int layers = registration->shards_size();
   const int experts = layers == 0 ? 0 : registration->shards(0).experts_size();
   std::fprintf(stderr,
@@ -279,6 +280,7 @@ absl::Status RankWorker::Session::Serve(const moe::v1::internal::RegisterRespons
     SetControlSink([&transport](const moe::v1::internal::RankToGateway& message) {
       return transport.SendControl(message);
     });
+    worker_->OfferNewest(index_);
     SetCancel([&transport] { transport.Cancel(); });
     absl::Status status = worker_->stop_ ? absl::CancelledError("stopping") : ServeSteps(transport);
     SetControlSink(nullptr);  // before the transport goes
@@ -307,6 +309,7 @@ absl::Status RankWorker::Session::Serve(const moe::v1::internal::RegisterRespons
     return stream->Write(message) ? absl::OkStatus()
                                   : absl::UnavailableError("exchange stream broke");
   });
+  worker_->OfferNewest(index_);
   StreamLiveness stream_liveness(
       liveness,
       [&stream, &write_mu] {
@@ -497,17 +500,56 @@ void RankWorker::DropUnheldLocked() {
 }
 
 void RankWorker::Keep(int session, uint64_t generation) {
-  std::lock_guard<std::mutex> lock(shards_mu_);
-  auto kept = generations_.find(generation);
-  if (kept == generations_.end()) return;  // never loaded here: keep what serves
-  holds_[session] = {generation};
-  DropUnheldLocked();
-  const int64_t bytes = Bytes(kept->second);
+  int64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(shards_mu_);
+    auto kept = generations_.find(generation);
+    if (kept == generations_.end()) return;  // never loaded here: keep what serves
+    holds_[session] = {generation};
+    DropUnheldLocked();
+    bytes = Bytes(kept->second);
+  }
   weight_bytes_ = bytes;
+  Commit(session, generation);
   std::fprintf(stderr, "moe-rank %d: serving placement generation %llu (%.2f GB of weights)\n",
                rank_.load(), static_cast<unsigned long long>(generation), bytes / 1e9);
   std::fflush(stderr);
   if (observer_ != nullptr) observer_->OnRegistered(rank_.load(), bytes);
+}
+
+void RankWorker::Commit(int session, uint64_t generation) {
+  std::vector<int> behind;
+  {
+    std::lock_guard<std::mutex> lock(shards_mu_);
+    committed_[session] = generation;
+    for (const auto& [other, used] : committed_)
+      if (other != session && used < generation) behind.push_back(other);
+  }
+  for (int other : behind) Offer(other, generation);
+}
+
+void RankWorker::OfferNewest(int session) {
+  uint64_t own = 0, newest = 0;
+  {
+    std::lock_guard<std::mutex> lock(shards_mu_);
+    for (const auto& [other, used] : committed_)
+      (other == session ? own : newest) = std::max(other == session ? own : newest, used);
+  }
+  if (newest > own) Offer(session, newest);
+}
+
+void RankWorker::Offer(int session, uint64_t generation) {
+  moe::v1::internal::RankToGateway message;
+  auto* offer = message.mutable_placement_offer();
+  offer->set_generation(generation);
+  {
+    std::lock_guard<std::mutex> lock(shards_mu_);
+    auto held = generations_.find(generation);
+    if (held == generations_.end() || held->second.empty()) return;
+    for (int e : held->second.begin()->second->expert_ids()) offer->add_experts(e);
+  }
+  // Without an exchange now, its gateway is offered the newest when the exchange opens.
+  (void)sessions_[session]->SendControl(message);
 }
 
 void RankWorker::QueueLoad(int session, const moe::v1::internal::LoadShards& request) {
@@ -576,6 +618,8 @@ void RankWorker::LoaderLoop() {
     } else {
       loaded->set_code(static_cast<int>(built.status().code()));
       loaded->set_error(std::string(built.status().message()));
+      std::lock_guard<std::mutex> lock(shards_mu_);
+      holds_[session].erase(generation);  // what another gateway holds under it stays
     }
     std::fprintf(stderr, "moe-rank %d: placement generation %llu %s in %.2f s%s%s\n", rank_.load(),
                  static_cast<unsigned long long>(generation),

@@ -127,8 +127,15 @@ class RankWorker {
       const LayerShards& reuse);
   std::shared_ptr<ExpertShard> FindShard(uint64_t generation, int layer);
   // Session `session`'s gateway uses only `generation` now (KeepShards): drops every generation
-  // no session holds.
+  // no session holds, and offers it to the gateways still on older ones (Commit).
   void Keep(int session, uint64_t generation);
+  // Session `session`'s gateway uses `generation` (registration, KeepShards): a PlacementOffer
+  // of it to each other gateway on an older one, so they follow (placement_changer.h).
+  void Commit(int session, uint64_t generation);
+  // A newly opened exchange of `session`: offered the newest generation another gateway uses,
+  // when that is newer than its own.
+  void OfferNewest(int session);
+  void Offer(int session, uint64_t generation);
   void DropUnheldLocked();  // shards_mu_ held
   // Queues a LoadShards of session `session` for the loader thread, which answers it there.
   void QueueLoad(int session, const moe::v1::internal::LoadShards& request);
@@ -147,6 +154,7 @@ class RankWorker {
   // Guarded by shards_mu_: per session, the generations its gateway may still use (what it
   // registered with, what it asked to load) until it says which one it keeps.
   std::map<int, std::set<uint64_t>> holds_;
+  std::map<int, uint64_t> committed_;  // guarded by shards_mu_: session -> the generation it uses
   // Device backends (one CUDA stream): loading and steps take turns; a CPU rank loads beside
   // its steps (its weights are views of the memory-mapped checkpoint).
   std::mutex device_mu_;

@@ -8,6 +8,8 @@
 //   the restart until gateway 1 answers calls again.
 //   SIGSTOP gateway 1 at 75% while callers of gateway 0 alone keep going: their p99 while
 //   gateway 1 hangs against before (a hung gateway holds none of the others' steps).
+//   A live re-placement applied through gateway 0 while gateway 1 serves: no call fails, and
+//   gateway 1 follows to the new generation (printed: how long after the change returned).
 //
 // MOE_FAILOVER_BENCH_S sets the length of the run (default 8 s, the CI sample).
 #include <signal.h>
@@ -149,6 +151,88 @@ TEST(GatewayFailoverBench, AGatewayKilledRestartedAndHungUnderLoad) {
   // Loose bounds for a loaded 2-core CI host; the figures above are the measurement.
   EXPECT_LT(answering - restarted, absl::Seconds(10));
   EXPECT_LT(p99_hung, 4 * p99_before + absl::Milliseconds(50));
+}
+
+uint64_t Generation(LocalCluster& cluster, int gateway) {
+  auto stub = moe::v1::MoeService::NewStub(
+      grpc::CreateChannel(cluster.target(gateway), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  moe::v1::ModelInfo info;
+  return stub->GetModelInfo(&context, moe::v1::GetModelInfoRequest(), &info).ok()
+             ? info.placement_generation()
+             : 0;
+}
+
+TEST(GatewayFailoverBench, APlacementChangeThroughOneGatewayReachesTheOther) {
+  const std::string checkpoint = testing::TestCheckpoint("k3-mini");
+  InProcess reference(checkpoint, kLayer);
+  std::vector<std::vector<float>> inputs, expected;
+  const int64_t hidden = reference.config().hidden_size;
+  for (int i = 0; i < 32; ++i) {
+    inputs.push_back(RandomInput(kTokens, hidden, 800 + i));
+    expected.push_back(reference.Forward(inputs.back()));
+  }
+  ClusterOptions options{checkpoint, 4};
+  options.gateways = 2;
+  options.ranks_reconnect = true;
+  options.gateway_args = {"--allow-placement-changes"};
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
+  ASSERT_EQ(Generation(cluster, 0), 1u);
+  ASSERT_EQ(Generation(cluster, 1), 1u);
+
+  const absl::Duration length = RunLength();
+  auto failover = FailoverStub(cluster.targets());
+  BusyCallers callers(*failover, kLayer, inputs, expected, kTokens, hidden, kCallers / 2);
+  auto gateway1 = moe::v1::MoeService::NewStub(
+      grpc::CreateChannel(cluster.target(1), grpc::InsecureChannelCredentials()));
+  BusyCallers beside(*gateway1, kLayer, inputs, expected, kTokens, hidden, kCallers / 2);
+  const absl::Time t0 = absl::Now();
+  SleepUntil(t0 + length * 0.3);
+  // Every expert on two ranks (range k on ranks k and k + 1), applied through gateway 0.
+  auto diagnostics = moe::v1::MoeDiagnostics::NewStub(
+      grpc::CreateChannel(cluster.target(0), grpc::InsecureChannelCredentials()));
+  moe::v1::ApplyPlacementResponse applied;
+  {
+    grpc::ClientContext context;
+    moe::v1::ApplyPlacementRequest request;
+    request.set_placement("0-15,48-63\n0-31\n16-47\n32-63\n");
+    request.set_source("gateway_failover_bench");
+    const grpc::Status s = diagnostics->ApplyPlacement(&context, request, &applied);
+    ASSERT_TRUE(s.ok()) << s.error_message() << "\n" << cluster.Logs();
+  }
+  const absl::Time committed = absl::Now();
+  absl::Time followed = absl::InfiniteFuture();
+  while (absl::Now() < committed + absl::Seconds(10)) {
+    if (Generation(cluster, 1) == applied.generation()) {
+      followed = absl::Now();
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  SleepUntil(t0 + length);
+  callers.Stop();
+  beside.Stop();
+  const absl::Time end = absl::Now();
+
+  EXPECT_EQ(callers.failed(), 0) << "first error: " << callers.first_error() << "\n"
+                                 << cluster.Logs();
+  EXPECT_EQ(beside.failed(), 0) << "first error: " << beside.first_error();
+  EXPECT_EQ(callers.wrong() + beside.wrong(), 0);
+  EXPECT_EQ(applied.generation(), 2u);
+  ASSERT_NE(followed, absl::InfiniteFuture()) << "gateway 1 did not follow\n" << cluster.Logs();
+  EXPECT_EQ(Generation(cluster, 0), applied.generation());
+  std::printf(
+      "M2N live re-placement (k3-mini, 2 gateways x 4 ranks, contiguous -> every expert on 2 "
+      "ranks, through gateway 0; %d callers of both, %d of gateway 1 alone, %.0f s):\n"
+      "  calls %d ok, %d failed, %d wrong\n"
+      "  ApplyPlacement took %.3f s; gateway 1 on generation %llu %.0f ms after it returned\n",
+      kCallers / 2, kCallers / 2, absl::ToDoubleSeconds(end - t0), callers.ok() + beside.ok(),
+      callers.failed() + beside.failed(), callers.wrong() + beside.wrong(), applied.seconds(),
+      static_cast<unsigned long long>(applied.generation()), Ms(followed - committed));
+  // One heartbeat (500 ms) is the target; a loaded CI host gets slack.
+  EXPECT_LT(followed - committed, absl::Seconds(3));
 }
 
 }  // namespace
