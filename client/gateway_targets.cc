@@ -1,55 +1,14 @@
 #include "client/gateway_targets.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/host_port.h"
 
 namespace moe {
-namespace {
-
-struct Resolved {
-  std::string v4, v6;  // "IP:port" / "[IP]:port", "" when the name has none of that family
-};
-
-absl::StatusOr<Resolved> Resolve(absl::string_view entry) {
-  const size_t colon = entry.rfind(':');
-  if (colon == absl::string_view::npos || colon + 1 == entry.size())
-    return absl::InvalidArgumentError(
-        absl::StrCat("gateway '", entry, "' has no port (want HOST:PORT)"));
-  std::string host(entry.substr(0, colon));
-  const std::string port(entry.substr(colon + 1));
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
-    host = host.substr(1, host.size() - 2);
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* addresses = nullptr;
-  if (host.empty() || getaddrinfo(host.c_str(), port.c_str(), &hints, &addresses) != 0)
-    return absl::InvalidArgumentError(absl::StrCat("gateway '", entry, "' does not resolve"));
-  Resolved out;
-  char text[INET6_ADDRSTRLEN];
-  for (addrinfo* a = addresses; a != nullptr; a = a->ai_next) {
-    if (a->ai_family == AF_INET && out.v4.empty()) {
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, text, sizeof text);
-      out.v4 = absl::StrCat(text, ":", port);
-    } else if (a->ai_family == AF_INET6 && out.v6.empty()) {
-      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, text,
-                sizeof text);
-      out.v6 = absl::StrCat("[", text, "]:", port);
-    }
-  }
-  freeaddrinfo(addresses);
-  return out;
-}
-
-}  // namespace
-
 absl::StatusOr<std::string> GatewayChannelTarget(absl::string_view targets) {
   targets = absl::StripAsciiWhitespace(targets);
   if (targets.empty()) return absl::InvalidArgumentError("empty target (want HOST:PORT)");
@@ -59,10 +18,17 @@ absl::StatusOr<std::string> GatewayChannelTarget(absl::string_view targets) {
     entry = absl::StripAsciiWhitespace(entry);
     if (entry.empty())
       return absl::InvalidArgumentError(absl::StrCat("empty gateway in '", targets, "'"));
-    auto resolved = Resolve(entry);
-    if (!resolved.ok()) return resolved.status();
-    if (!resolved->v4.empty()) v4.push_back(resolved->v4);
-    if (!resolved->v6.empty()) v6.push_back(resolved->v6);
+    auto resolved = ResolveHostPort(entry);
+    if (!resolved.ok()) return absl::InvalidArgumentError(resolved.status().message());
+    // One address per gateway: the first of each family.
+    bool have_v4 = false, have_v6 = false;
+    for (const std::string& address : *resolved) {
+      const bool is_v6 = address.front() == '[';
+      bool& have = is_v6 ? have_v6 : have_v4;
+      if (have) continue;
+      have = true;
+      (is_v6 ? v6 : v4).push_back(address);
+    }
   }
   if (!v4.empty()) return absl::StrCat("ipv4:", absl::StrJoin(v4, ","));
   return absl::StrCat("ipv6:", absl::StrJoin(v6, ","));

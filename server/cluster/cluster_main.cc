@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -44,13 +45,15 @@ namespace {
 constexpr char kUsage[] =
     "moe-cluster --checkpoint DIR --ranks N [flags] [-- extra moe-gateway flags...]\n"
     "\n"
-    "Starts moe-gateway and N moe-rank processes on this host (development and demos), forwards\n"
-    "their output to stderr prefixed [gateway] / [rank i], prints\n"
-    "  moe-cluster: ready on HOST:PORT (N ranks)\n"
-    "to stdout once the gateway reports SERVING, and stops them all on SIGINT/SIGTERM: the\n"
-    "gateway first (it drains the calls in flight), then the ranks. A rank that dies stops the\n"
-    "cluster, or with --restart-ranks is started again (backoff 1 s doubling to 30 s).\n"
-    "Metrics ports, when --metrics-port M is given: gateway M, rank i M+1+i (0: any free port\n"
+    "Starts moe-gateway (or --gateways G of them over the one rank pool) and N moe-rank\n"
+    "processes on this host (development and demos), forwards their output to stderr prefixed\n"
+    "[gateway] (or [gateway g]) / [rank i], prints\n"
+    "  moe-cluster: ready on HOST:PORT (N ranks)   (G > 1: HOST:PORT,HOST:PORT+1,...)\n"
+    "to stdout once every gateway reports SERVING, and stops them all on SIGINT/SIGTERM: the\n"
+    "gateways first (they drain the calls in flight), then the ranks. A rank (gateway) that\n"
+    "dies stops the cluster, or with --restart-ranks (--restart-gateways) is started again\n"
+    "(backoff 1 s doubling to 30 s). Ports: gateway g listens on --port + g and the control\n"
+    "port + g; with --metrics-port M, gateway g on M+g and rank i on M+G+i (0: any free port\n"
     "for each, as moe-gateway and moe-rank take --metrics-port 0).\n"
     "Ranks authenticate with a cluster token: --cluster-token-file, or one made for this run\n"
     "(random, in a 0700 temporary directory, removed at exit). --tls-* files go to the gateway\n"
@@ -73,6 +76,8 @@ struct ClusterOptions {
   double stop_timeout_s = 10;
   double drain_timeout_s = 30;  // passed to the gateway
   bool restart_ranks = false;
+  int gateways = 1;  // gateway g: --port + g, control --control-port + g
+  bool restart_gateways = false;
   std::vector<std::string> gateway_extra;  // after `--`
 };
 
@@ -135,14 +140,15 @@ bool PortAcceptsConnections(const std::string& host, int port) {
   return connected;
 }
 
-// Polls grpc.health.v1.Health/Check (service "") on its own thread until SERVING, then
-// signals `ready_fd` (an eventfd).
+// Polls grpc.health.v1.Health/Check (service "") on its own thread until SERVING, then sets
+// `ready` and signals `ready_fd` (an eventfd).
 class HealthProbe {
  public:
-  HealthProbe(std::string target, TlsFiles tls, int ready_fd)
+  HealthProbe(std::string target, TlsFiles tls, int ready_fd, std::atomic<bool>* ready)
       : target_(std::move(target)),
         tls_(std::move(tls)),
         ready_fd_(ready_fd),
+        ready_(ready),
         thread_([this] { Loop(); }) {}
   ~HealthProbe() {
     {
@@ -191,6 +197,7 @@ class HealthProbe {
                 : absl::StrCat("gRPC code ", status.error_code(), ": ", status.error_message());
       }
       if (status.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+        *ready_ = true;
         const uint64_t one = 1;
         ssize_t ignored = write(ready_fd_, &one, sizeof one);
         (void)ignored;
@@ -204,6 +211,7 @@ class HealthProbe {
   const std::string target_;
   const TlsFiles tls_;
   const int ready_fd_;
+  std::atomic<bool>* const ready_;
   // NOTES: std::mutex, not absl::Mutex, which ThreadSanitizer cannot see into (Debian's
   // Abseil is not instrumented).
   mutable std::mutex mu_;
@@ -224,7 +232,7 @@ class Cluster {
         ready_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
         group_(GroupOptions(exit_fd_)) {}
   ~Cluster() {
-    probe_.reset();
+    probes_.clear();
     close(exit_fd_);
     close(ready_fd_);
   }
@@ -250,9 +258,12 @@ class Cluster {
   bool ReportExits();
   // Returns the pid, or -1 (logged) when the child could not start.
   pid_t StartChild(const std::string& name, const std::vector<std::string>& argv);
-  // Ranks to restart whose backoff has passed: started again. False if one could not start.
-  bool RestartDueRanks();
+  // Children to restart whose backoff has passed: started again. False if one could not start.
+  bool RestartDue();
   absl::Time NextRestart() const;
+  // A health probe of every gateway not yet seen SERVING (none exists while children fork).
+  void StartProbes();
+  bool AllReady() const;
   // SIGTERM to the gateway, up to --drain-timeout-s + --stop-timeout-s for it to drain and
   // exit; then SIGTERM to the ranks, up to --stop-timeout-s; a second signal cuts either wait
   // short. SIGKILL to the rest, reap all. Returns `exit_code`.
@@ -260,7 +271,9 @@ class Cluster {
   // Waits until none of `pids` runs, `deadline` passes or a stop signal arrives (false).
   bool WaitForExits(const std::vector<pid_t>& pids, absl::Time deadline);
 
-  struct RankChild {
+  struct Child {
+    std::string name;  // "gateway", "gateway 1", "rank 3": the log prefix
+    bool gateway = false;
     std::vector<std::string> argv;
     pid_t pid = -1;
     absl::Time started;
@@ -273,11 +286,12 @@ class Cluster {
   const int exit_fd_;
   const int ready_fd_;
   ProcessGroup group_;
-  std::unique_ptr<HealthProbe> probe_;
+  std::vector<std::unique_ptr<HealthProbe>> probes_;  // index: gateway (null once ready)
+  std::unique_ptr<std::atomic<bool>[]> gateway_ready_;
+  std::vector<std::string> connect_addresses_;  // the gateways' public ports, for the probes
   size_t exits_seen_ = 0;
   bool stopping_ = false;
-  pid_t gateway_pid_ = -1;
-  std::vector<RankChild> ranks_;
+  std::vector<Child> gateways_, ranks_;
 };
 
 Cluster::Event Cluster::Wait(absl::Time deadline) {
@@ -320,16 +334,23 @@ bool Cluster::ReportExits() {
       Log(absl::StrCat(exit.name, " (pid ", exit.pid, ") ", exit.Describe()));
       continue;
     }
-    auto rank = std::find_if(ranks_.begin(), ranks_.end(),
-                             [&](const RankChild& r) { return r.pid == exit.pid; });
-    if (options_.restart_ranks && rank != ranks_.end()) {
-      // A rank that ran a while had a fault, not a crash loop: its backoff starts over.
-      if (absl::Now() - rank->started > absl::Seconds(60)) rank->backoff = absl::Seconds(1);
-      rank->pid = -1;
-      rank->restart_at = absl::Now() + rank->backoff;
+    auto find = [&](std::vector<Child>& children) {
+      auto it = std::find_if(children.begin(), children.end(),
+                             [&](const Child& c) { return c.pid == exit.pid; });
+      return it == children.end() ? nullptr : &*it;
+    };
+    Child* child = nullptr;
+    if (options_.restart_ranks) child = find(ranks_);
+    if (options_.restart_gateways && child == nullptr) child = find(gateways_);
+    if (child != nullptr) {
+      // A child that ran a while had a fault, not a crash loop: its backoff starts over.
+      if (absl::Now() - child->started > absl::Seconds(60)) child->backoff = absl::Seconds(1);
+      child->pid = -1;
+      child->restart_at = absl::Now() + child->backoff;
       Log(absl::StrCat(exit.name, " (pid ", exit.pid, ") ", exit.Describe(), "; restarting in ",
-                       absl::FormatDuration(rank->backoff), " (--restart-ranks)"));
-      rank->backoff = std::min(rank->backoff * 2, absl::Seconds(30));
+                       absl::FormatDuration(child->backoff),
+                       child->gateway ? " (--restart-gateways)" : " (--restart-ranks)"));
+      child->backoff = std::min(child->backoff * 2, absl::Seconds(30));
     } else {
       Log(absl::StrCat(exit.name, " (pid ", exit.pid, ") ", exit.Describe(),
                        " unexpectedly; stopping the cluster"));
@@ -351,21 +372,37 @@ pid_t Cluster::StartChild(const std::string& name, const std::vector<std::string
 
 absl::Time Cluster::NextRestart() const {
   absl::Time next = absl::InfiniteFuture();
-  for (const RankChild& rank : ranks_) next = std::min(next, rank.restart_at);
+  for (const auto* children : {&gateways_, &ranks_})
+    for (const Child& child : *children) next = std::min(next, child.restart_at);
   return next;
 }
 
-bool Cluster::RestartDueRanks() {
-  for (size_t i = 0; i < ranks_.size(); ++i) {
-    RankChild& rank = ranks_[i];
-    if (rank.restart_at > absl::Now()) continue;
-    rank.restart_at = absl::InfiniteFuture();
-    // NOTES: no gRPC object may live across a fork (the health probe is gone once ready).
-    probe_.reset();
-    rank.pid = StartChild(absl::StrCat("rank ", i), rank.argv);
-    if (rank.pid < 0) return false;
-    rank.started = absl::Now();
+bool Cluster::RestartDue() {
+  for (auto* children : {&gateways_, &ranks_}) {
+    for (Child& child : *children) {
+      if (child.restart_at > absl::Now()) continue;
+      child.restart_at = absl::InfiniteFuture();
+      // NOTES: no gRPC object may live across a fork (the health probes go meanwhile).
+      probes_.clear();
+      child.pid = StartChild(child.name, child.argv);
+      if (child.pid < 0) return false;
+      child.started = absl::Now();
+    }
   }
+  return true;
+}
+
+void Cluster::StartProbes() {
+  probes_.resize(gateways_.size());
+  for (size_t g = 0; g < gateways_.size(); ++g)
+    if (!gateway_ready_[g] && probes_[g] == nullptr)
+      probes_[g] = std::make_unique<HealthProbe>(connect_addresses_[g], options_.tls, ready_fd_,
+                                                 &gateway_ready_[g]);
+}
+
+bool Cluster::AllReady() const {
+  for (size_t g = 0; g < gateways_.size(); ++g)
+    if (!gateway_ready_[g]) return false;
   return true;
 }
 
@@ -396,18 +433,22 @@ bool Cluster::WaitForExits(const std::vector<pid_t>& pids, absl::Time deadline) 
 
 int Cluster::StopAll(int exit_code) {
   stopping_ = true;
-  probe_.reset();
-  // The gateway first: it drains the calls in flight, which need the ranks.
+  probes_.clear();
+  // The gateways first: they drain the calls in flight, which need the ranks.
   bool patient = true;
-  if (gateway_pid_ > 0) {
-    group_.Signal(gateway_pid_, SIGTERM);
-    patient = WaitForExits({gateway_pid_}, absl::Now() + absl::Seconds(options_.drain_timeout_s +
-                                                                       options_.stop_timeout_s));
+  std::vector<pid_t> gateways;
+  for (const Child& gateway : gateways_) {
+    if (gateway.pid <= 0) continue;
+    group_.Signal(gateway.pid, SIGTERM);
+    gateways.push_back(gateway.pid);
   }
+  if (!gateways.empty())
+    patient = WaitForExits(gateways, absl::Now() + absl::Seconds(options_.drain_timeout_s +
+                                                                  options_.stop_timeout_s));
   if (patient) {
     group_.SignalAll(SIGTERM);
-    std::vector<pid_t> all = {gateway_pid_};
-    for (const RankChild& rank : ranks_) all.push_back(rank.pid);
+    std::vector<pid_t> all = gateways;
+    for (const Child& rank : ranks_) all.push_back(rank.pid);
     WaitForExits(all, absl::Now() + absl::Seconds(options_.stop_timeout_s));
   }
   const std::vector<std::string> stragglers = group_.running_names();
@@ -426,92 +467,116 @@ int Cluster::Run() {
     Log(absl::StrCat("eventfd: ", strerror(errno)));
     return 1;
   }
-  const std::string connect_address = HostPort(ConnectHost(options_.host), options_.port);
-  const std::string control_address = HostPort(ConnectHost(options_.host), options_.control_port);
   const absl::Time ready_deadline = absl::Now() + absl::Seconds(options_.ready_timeout_s);
   auto not_ready = [&](absl::string_view what) {
     Log(absl::StrCat("not ready after ", options_.ready_timeout_s, " s (--ready-timeout-s): ", what,
                      "; stopping"));
     return StopAll(1);
   };
-
-  // Gateway first; the ranks once it accepts connections.
-  std::vector<std::string> gateway = {
-      options_.bin_dir + "/moe-gateway", "--checkpoint", options_.checkpoint,           "--port",
-      std::to_string(options_.port),     "--ranks",      std::to_string(options_.ranks)};
-  if (options_.metrics_port >= 0) {
-    gateway.insert(gateway.end(), {"--metrics-port", std::to_string(options_.metrics_port)});
-  }
-  gateway.insert(gateway.end(), {"--host", options_.host, "--drain-timeout-s",
-                                 absl::StrCat(options_.drain_timeout_s), "--control-port",
-                                 std::to_string(options_.control_port), "--cluster-token-file",
-                                 options_.cluster_token_file});
   auto tls_flags = [&](std::vector<std::string>& argv, const std::string& cert,
                        const std::string& key) {
     for (const auto& [flag, value] : {std::pair{"--tls-cert", cert}, std::pair{"--tls-key", key},
                                       std::pair{"--tls-ca", options_.tls.ca}})
       if (!value.empty()) argv.insert(argv.end(), {flag, value});
   };
-  tls_flags(gateway, options_.tls.cert, options_.tls.key);
-  gateway.insert(gateway.end(), options_.gateway_extra.begin(), options_.gateway_extra.end());
-  gateway_pid_ = StartChild("gateway", gateway);
-  if (gateway_pid_ < 0) return StopAll(1);
 
-  while (!PortAcceptsConnections(ConnectHost(options_.host), options_.port)) {
-    if (absl::Now() >= ready_deadline) {
-      return not_ready(
-          absl::StrCat("the gateway does not accept connections on ", connect_address));
+  // Gateways first; the ranks once they accept connections.
+  const int G = options_.gateways;
+  gateway_ready_ = std::make_unique<std::atomic<bool>[]>(G);
+  std::vector<std::string> control_addresses, public_addresses;
+  for (int g = 0; g < G; ++g) {
+    Child child;
+    child.name = G == 1 ? "gateway" : absl::StrCat("gateway ", g);
+    child.gateway = true;
+    child.argv = {options_.bin_dir + "/moe-gateway", "--checkpoint", options_.checkpoint,
+                  "--port", std::to_string(options_.port + g), "--ranks",
+                  std::to_string(options_.ranks)};
+    if (options_.metrics_port >= 0) {
+      const int port = options_.metrics_port > 0 ? options_.metrics_port + g : 0;
+      child.argv.insert(child.argv.end(), {"--metrics-port", std::to_string(port)});
     }
-    switch (Wait(std::min(ready_deadline, absl::Now() + absl::Milliseconds(100)))) {
-      case Event::kStopSignal:
-        return StopAll(0);
-      case Event::kChildExit:
-        if (ReportExits()) return StopAll(1);
-        break;
-      default:
-        break;
+    child.argv.insert(child.argv.end(),
+                      {"--host", options_.host, "--drain-timeout-s",
+                       absl::StrCat(options_.drain_timeout_s), "--control-port",
+                       std::to_string(options_.control_port + g), "--cluster-token-file",
+                       options_.cluster_token_file});
+    tls_flags(child.argv, options_.tls.cert, options_.tls.key);
+    child.argv.insert(child.argv.end(), options_.gateway_extra.begin(),
+                      options_.gateway_extra.end());
+    child.started = absl::Now();
+    child.pid = StartChild(child.name, child.argv);
+    gateways_.push_back(std::move(child));
+    if (gateways_.back().pid < 0) return StopAll(1);
+    connect_addresses_.push_back(HostPort(ConnectHost(options_.host), options_.port + g));
+    control_addresses.push_back(
+        HostPort(ConnectHost(options_.host), options_.control_port + g));
+    public_addresses.push_back(HostPort(options_.host, options_.port + g));
+  }
+
+  for (int g = 0; g < G; ++g) {
+    while (!PortAcceptsConnections(ConnectHost(options_.host), options_.port + g)) {
+      if (absl::Now() >= ready_deadline) {
+        return not_ready(absl::StrCat("gateway ", g, " does not accept connections on ",
+                                      connect_addresses_[g]));
+      }
+      switch (Wait(std::min(ready_deadline, absl::Now() + absl::Milliseconds(100)))) {
+        case Event::kStopSignal:
+          return StopAll(0);
+        case Event::kChildExit:
+          if (ReportExits()) return StopAll(1);
+          break;
+        default:
+          break;
+      }
     }
   }
 
   for (int i = 0; i < options_.ranks; ++i) {
-    std::vector<std::string> rank = {options_.bin_dir + "/moe-rank",
-                                     "--gateway",
-                                     control_address,
-                                     "--rank",
-                                     std::to_string(i),
-                                     "--cluster-token-file",
-                                     options_.cluster_token_file};
-    tls_flags(rank, options_.rank_cert, options_.rank_key);
+    Child child;
+    child.name = absl::StrCat("rank ", i);
+    child.argv = {options_.bin_dir + "/moe-rank",
+                  "--gateway",
+                  absl::StrJoin(control_addresses, ","),
+                  "--rank",
+                  std::to_string(i),
+                  "--cluster-token-file",
+                  options_.cluster_token_file};
+    tls_flags(child.argv, options_.rank_cert, options_.rank_key);
     if (!options_.tls.server_name.empty())
-      rank.insert(rank.end(), {"--tls-server-name", options_.tls.server_name});
+      child.argv.insert(child.argv.end(), {"--tls-server-name", options_.tls.server_name});
     if (options_.threads_per_rank > 0) {
-      rank.insert(rank.end(), {"--threads", std::to_string(options_.threads_per_rank)});
+      child.argv.insert(child.argv.end(),
+                        {"--threads", std::to_string(options_.threads_per_rank)});
     }
     if (options_.metrics_port >= 0) {
       // 0 stays 0 (every process picks a free port and logs it), as moe-gateway and moe-rank.
-      const int port = options_.metrics_port > 0 ? options_.metrics_port + 1 + i : 0;
-      rank.insert(rank.end(),
-                  {"--metrics-port", std::to_string(port), "--metrics-host", options_.host});
+      const int port = options_.metrics_port > 0 ? options_.metrics_port + G + i : 0;
+      child.argv.insert(child.argv.end(),
+                        {"--metrics-port", std::to_string(port), "--metrics-host", options_.host});
     }
-    RankChild child;
-    child.argv = rank;
     child.started = absl::Now();
-    child.pid = StartChild(absl::StrCat("rank ", i), rank);
+    child.pid = StartChild(child.name, child.argv);
     ranks_.push_back(std::move(child));
     if (ranks_.back().pid < 0) return StopAll(1);
   }
 
-  // NOTES: the probe starts after the last fork, so no gRPC thread exists while forking.
-  probe_ = std::make_unique<HealthProbe>(connect_address, options_.tls, ready_fd_);
+  // NOTES: the probes start after the last fork, so no gRPC thread exists while forking.
+  StartProbes();
   bool ready = false;
   for (;;) {
     const absl::Time next_restart = NextRestart();
     switch (Wait(std::min(ready ? absl::InfiniteFuture() : ready_deadline, next_restart))) {
       case Event::kReady:
+        if (ready || !AllReady()) break;
         ready = true;
-        probe_.reset();
-        std::printf("moe-cluster: ready on %s (%d ranks)\n",
-                    HostPort(options_.host, options_.port).c_str(), options_.ranks);
+        probes_.clear();
+        if (G == 1) {
+          std::printf("moe-cluster: ready on %s (%d ranks)\n", public_addresses[0].c_str(),
+                      options_.ranks);
+        } else {
+          std::printf("moe-cluster: ready on %s (%d ranks, %d gateways)\n",
+                      absl::StrJoin(public_addresses, ",").c_str(), options_.ranks, G);
+        }
         std::fflush(stdout);
         break;
       case Event::kStopSignal:
@@ -521,13 +586,17 @@ int Cluster::Run() {
         break;
       case Event::kDeadline:
         if (absl::Now() >= next_restart) {
-          if (!RestartDueRanks()) return StopAll(1);
-          if (!ready)
-            probe_ = std::make_unique<HealthProbe>(connect_address, options_.tls, ready_fd_);
+          if (!RestartDue()) return StopAll(1);
+          if (!ready) StartProbes();
           break;
         }
-        return not_ready(absl::StrCat("gateway health check: ",
-                                      probe_ ? probe_->last_result() : "(probe stopped)"));
+        std::string last;
+        for (size_t g = 0; g < probes_.size(); ++g)
+          if (probes_[g] != nullptr)
+            absl::StrAppend(&last, last.empty() ? "" : "; ",
+                            G == 1 ? "" : absl::StrCat(connect_addresses_[g], ": "),
+                            probes_[g]->last_result());
+        return not_ready(absl::StrCat("gateway health check: ", last));
     }
   }
 }
@@ -576,10 +645,13 @@ int Main(int argc, char** argv) {
   flags.String("checkpoint", &options.checkpoint, "checkpoint directory, passed to moe-gateway");
   flags.Int("ranks", &options.ranks, "number of moe-rank processes");
   flags.Range("ranks", 1, 4096);
-  flags.Int("port", &options.port, "gateway gRPC port");
+  flags.Int("port", &options.port, "gateway gRPC port (gateway g: --port + g)");
   flags.Range("port", 1, 65535);
+  flags.Int("gateways", &options.gateways,
+            "moe-gateway processes over the one rank pool; every rank serves all of them");
+  flags.Range("gateways", 1, 64);
   flags.Int("control-port", &options.control_port,
-            "gateway control port the ranks register on (0: --port + 1)");
+            "gateway control port the ranks register on (gateway g: + g; 0: --port + --gateways)");
   flags.Range("control-port", 0, 65535);
   flags.String("cluster-token-file", &options.cluster_token_file,
                "cluster token for the gateway and the ranks (default: a random one for this run)");
@@ -597,8 +669,8 @@ int Main(int argc, char** argv) {
                "the gateway admits only certificates naming the rank identity)");
   flags.String("rank-tls-key", &options.rank_key, "PEM private key of --rank-tls-cert");
   flags.Int("metrics-port", &options.metrics_port,
-            "Prometheus port M of the gateway; rank i gets M+1+i (-1 = off; 0 = any free port "
-            "for each, as moe-gateway and moe-rank take it)");
+            "Prometheus port M of the gateway (gateway g: M+g); rank i gets M+G+i with G "
+            "gateways (-1 = off; 0 = any free port for each, as moe-gateway and moe-rank take it)");
   flags.Range("metrics-port", -1, 65535);
   flags.String("host", &options.host, "gateway listen address");
   flags.Int("threads-per-rank", &options.threads_per_rank,
@@ -615,6 +687,8 @@ int Main(int argc, char** argv) {
                "--drain-timeout-s); the ranks stop after it");
   flags.Bool("restart-ranks", &options.restart_ranks,
              "start a rank that dies again (backoff 1 s doubling to 30 s) instead of stopping");
+  flags.Bool("restart-gateways", &options.restart_gateways,
+             "start a gateway that dies again (backoff as --restart-ranks) instead of stopping");
   flags.Require("checkpoint");
   flags.Require("ranks");
   flags.AllowPositional();  // refused below with a hint: gateway flags go after --
@@ -631,26 +705,32 @@ int Main(int argc, char** argv) {
   }
   if (options.ranks < 1) return usage_error("--ranks must be at least 1");
   if (options.port < 1 || options.port > 65535) return usage_error("--port must be in 1..65535");
-  if (options.metrics_port > 0) {
-    const int last = options.metrics_port + options.ranks;
-    if (options.metrics_port < 1 || last > 65535) {
-      return usage_error(absl::StrCat("--metrics-port: ports ", options.metrics_port, "..", last,
-                                      " must lie in 1..65535"));
-    }
-    if (options.port >= options.metrics_port && options.port <= last) {
-      return usage_error(absl::StrCat("--metrics-port: ports ", options.metrics_port, "..", last,
-                                      " include --port ", options.port));
-    }
+  const int G = options.gateways;
+  if (options.port + G - 1 > 65535) return usage_error("--port + --gateways must stay <= 65535");
+  if (options.control_port == 0) options.control_port = options.port + G;
+  // Every port this cluster listens on: each gateway's public and control port, and with a fixed
+  // --metrics-port the gateways' and ranks' metrics ports.
+  struct Range {
+    int first, last;
+    std::string what;
+  };
+  std::vector<Range> ranges = {
+      {options.port, options.port + G - 1, "--port"},
+      {options.control_port, options.control_port + G - 1, "the control ports"}};
+  if (options.metrics_port > 0)
+    ranges.push_back({options.metrics_port, options.metrics_port + G + options.ranks - 1,
+                      "--metrics-port"});
+  for (size_t a = 0; a < ranges.size(); ++a) {
+    if (ranges[a].first < 1 || ranges[a].last > 65535)
+      return usage_error(absl::StrCat(ranges[a].what, ": ports ", ranges[a].first, "..",
+                                      ranges[a].last, " must lie in 1..65535"));
+    for (size_t b = 0; b < a; ++b)
+      if (ranges[a].first <= ranges[b].last && ranges[b].first <= ranges[a].last)
+        return usage_error(absl::StrCat(ranges[a].what, ": ports ", ranges[a].first, "..",
+                                        ranges[a].last, " overlap ", ranges[b].what, " (",
+                                        ranges[b].first, "..", ranges[b].last,
+                                        "; set --control-port or --metrics-port)"));
   }
-  if (options.control_port == 0) options.control_port = options.port + 1;
-  if (options.control_port < 1 || options.control_port > 65535 ||
-      options.control_port == options.port)
-    return usage_error(absl::StrCat("--control-port must be in 1..65535 and differ from --port"));
-  if (options.metrics_port > 0 && options.control_port >= options.metrics_port &&
-      options.control_port <= options.metrics_port + options.ranks)
-    return usage_error(absl::StrCat(
-        "--metrics-port: ports ", options.metrics_port, "..", options.metrics_port + options.ranks,
-        " include the control port ", options.control_port, " (set --control-port)"));
   if (!options.tls.cert.empty() && options.tls.ca.empty())
     return usage_error("--tls-cert needs --tls-ca: the ranks must trust the gateway's certificate");
   if (absl::Status s = CheckTlsFiles(options.tls, /*server=*/true); !s.ok())

@@ -11,6 +11,8 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/host_port.h"
 #include "core/progress.h"
 #include "core/status.h"
 #include "security/rank_handshake.h"
@@ -90,12 +92,19 @@ void FairTurn::Release() {
 
 class RankWorker::Session {
  public:
-  Session(RankWorker* worker, int index, std::string gateway);
+  // `tls_name`: the name `gateway` (an address) was resolved from, which its certificate carries.
+  Session(RankWorker* worker, int index, std::string gateway, const std::string& tls_name);
 
   // Registers, serves steps, and registers again when the gateway goes away (with backoff),
   // until Stop(), an error retrying cannot fix, or (reconnect off) the end of an exchange.
   absl::Status Run();
   void Cancel();  // unblocks the exchange in progress (Stop)
+  // Ends Run() for good: the gateway left the directory.
+  void Retire() {
+    retired_ = true;
+    Cancel();
+  }
+  bool retired() const { return retired_; }
   // Writes a control message (ShardsLoaded) on the current exchange; UNAVAILABLE without one.
   absl::Status SendControl(const moe::v1::internal::RankToGateway& message);
 
@@ -114,6 +123,7 @@ class RankWorker::Session {
   RankWorker* const worker_;
   const int index_;
   const std::string gateway_;
+  std::atomic<bool> retired_{false};
   absl::Status setup_;  // the channel's credentials
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::internal::RankControl::Stub> stub_;
@@ -127,7 +137,8 @@ class RankWorker::Session {
       control_sink_;  // guarded by sink_mu_
 };
 
-RankWorker::Session::Session(RankWorker* worker, int index, std::string gateway)
+RankWorker::Session::Session(RankWorker* worker, int index, std::string gateway,
+                             const std::string& tls_name)
     : worker_(worker),
       index_(index),
       gateway_(std::move(gateway)),
@@ -143,6 +154,8 @@ RankWorker::Session::Session(RankWorker* worker, int index, std::string gateway)
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   AddTlsChannelArgs(options.tls, &args);
+  if (options.tls.channel_enabled() && options.tls.server_name.empty() && !tls_name.empty())
+    args.SetSslTargetNameOverride(tls_name);  // the certificate names the Service, not the pod
   auto credentials = ChannelCredentials(options.tls);
   if (!credentials.ok()) {
     setup_ = credentials.status();
@@ -153,7 +166,8 @@ RankWorker::Session::Session(RankWorker* worker, int index, std::string gateway)
 }
 
 std::string RankWorker::Session::Who() const {
-  if (worker_->options_.gateways.size() == 1) return absl::StrCat("moe-rank ", worker_->rank());
+  if (worker_->options_.gateways.size() == 1 && worker_->options_.gateways[0] == gateway_)
+    return absl::StrCat("moe-rank ", worker_->rank());
   return absl::StrCat("moe-rank ", worker_->rank(), " (gateway ", gateway_, ")");
 }
 
@@ -395,14 +409,14 @@ absl::Status RankWorker::Session::Run() {
   if (!setup_.ok()) return setup_;
   absl::Duration backoff = absl::Milliseconds(200);
   for (;;) {
-    if (worker_->stop_) return absl::OkStatus();
+    if (worker_->stop_ || retired_) return absl::OkStatus();
     moe::v1::internal::RegisterResponse registration;
     absl::Status s = RegisterAndLoad(&registration);
     if (s.ok()) {
       backoff = absl::Milliseconds(200);
       s = Serve(registration);
     }
-    if (worker_->stop_) return absl::OkStatus();
+    if (worker_->stop_ || retired_) return absl::OkStatus();
     // Configuration errors will not fix themselves; connection problems may. ALREADY_EXISTS:
     // the gateway still counts this rank id up, i.e. a previous process of this rank that died
     // or hung and that liveness has not yet timed out; it will, and then this one takes over.
@@ -428,11 +442,9 @@ RankWorker::RankWorker(const RankOptions& options) : options_(options) {
     return;
   }
   if (options.gateways.empty()) backend_status_ = absl::InvalidArgumentError("no gateway given");
-  if (options.gateways.size() > 1 && options.requested_rank < 0)
-    backend_status_ = absl::InvalidArgumentError(
-        "--rank is needed with several gateways: each must know this rank by the same id");
-  for (size_t i = 0; i < options.gateways.size(); ++i)
-    sessions_.push_back(std::make_unique<Session>(this, static_cast<int>(i), options.gateways[i]));
+  for (const std::string& entry : options.gateways)
+    if (absl::StatusOr<HostPort> parsed = ParseHostPort(entry); !parsed.ok())
+      backend_status_ = absl::InvalidArgumentError(absl::StrCat("--gateway ", parsed.status().message()));
 }
 
 RankWorker::~RankWorker() {
@@ -447,7 +459,46 @@ RankWorker::~RankWorker() {
 
 void RankWorker::Stop() {
   stop_ = true;
-  for (auto& session : sessions_) session->Cancel();
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  for (auto& [index, session] : sessions_) session->Cancel();
+  sessions_cv_.notify_all();
+}
+
+std::shared_ptr<RankWorker::Session> RankWorker::FindSession(int session) {
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  auto it = sessions_.find(session);
+  return it == sessions_.end() ? nullptr : it->second;
+}
+
+std::map<std::string, std::string> RankWorker::ResolveGateways() const {
+  std::map<std::string, std::string> out;
+  for (const std::string& entry : options_.gateways) {
+    const absl::StatusOr<HostPort> parsed = ParseHostPort(entry);
+    if (!parsed.ok()) continue;  // refused in the constructor
+    if (parsed->literal) {
+      out.emplace(entry, "");
+      continue;
+    }
+    absl::StatusOr<std::vector<std::string>> addresses = ResolveHostPort(entry);
+    if (!addresses.ok()) continue;  // not (yet) in DNS: asked again next round
+    // IPv4 when the name has any: a dual-stack name must not count as two gateways.
+    const bool any_v4 = std::any_of(addresses->begin(), addresses->end(),
+                                     [](const std::string& a) { return a.front() != '['; });
+    for (const std::string& address : *addresses)
+      if (!any_v4 || address.front() != '[') out.emplace(address, parsed->host);
+  }
+  return out;
+}
+
+void RankWorker::RetireSession(int session) {
+  {
+    std::lock_guard<std::mutex> lock(shards_mu_);
+    holds_.erase(session);
+    committed_.erase(session);
+    DropUnheldLocked();
+  }
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  sessions_.erase(session);
 }
 
 absl::Status RankWorker::Run() {
@@ -459,18 +510,74 @@ absl::Status RankWorker::Run() {
   std::mutex mu;
   absl::Status first_error;  // guarded by mu
   std::vector<std::thread> threads;
-  for (auto& session : sessions_)
-    threads.emplace_back([&, s = session.get()] {
-      const absl::Status status = s->Run();
-      if (stop_) return;  // stopping: whatever the session says is about the stop
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        if (first_error.ok())
-          first_error = status.ok() ? absl::CancelledError("a session ended") : status;
+  std::map<std::string, int> active;   // address -> session
+  std::map<std::string, int> missing;  // address -> directory rounds it was not in
+  int next_index = 0;
+  bool warned_rank = false;
+  const absl::Time resolve_by = absl::Now() + options_.connect_timeout;
+  for (;;) {
+    const std::map<std::string, std::string> directory = ResolveGateways();
+    for (const auto& [address, name] : directory) {
+      missing.erase(address);
+      if (active.count(address) != 0) continue;
+      if (!active.empty() && options_.requested_rank < 0) {
+        if (!warned_rank)
+          std::fprintf(stderr,
+                       "moe-rank: %s is another gateway: serving it needs --rank (every gateway "
+                       "must know this rank by the same id)\n",
+                       address.c_str());
+        warned_rank = true;
+        continue;
       }
-      // An error retrying cannot fix (or, without reconnecting, a lost gateway) ends the rank.
-      Stop();
-    });
+      const int index = next_index++;
+      auto session = std::make_shared<Session>(this, index, address, name);
+      {
+        std::lock_guard<std::mutex> lock(sessions_mu_);
+        if (stop_) break;
+        sessions_[index] = session;
+      }
+      active[address] = index;
+      threads.emplace_back([&, session, index] {
+        const absl::Status status = session->Run();
+        if (session->retired()) {
+          RetireSession(index);
+          return;
+        }
+        if (stop_) return;  // stopping: whatever the session says is about the stop
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          if (first_error.ok())
+            first_error = status.ok() ? absl::CancelledError("a session ended") : status;
+        }
+        // An error retrying cannot fix (or, without reconnecting, a lost gateway) ends the rank.
+        Stop();
+      });
+    }
+    // A gateway gone from the directory for three rounds in a row (a replaced pod) is left.
+    for (auto it = active.begin(); it != active.end();) {
+      if (directory.count(it->first) == 0 && ++missing[it->first] >= 3) {
+        if (std::shared_ptr<Session> session = FindSession(it->second)) session->Retire();
+        missing.erase(it->first);
+        it = active.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (active.empty() && absl::Now() > resolve_by) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (first_error.ok())
+        first_error = absl::NotFoundError(absl::StrCat(
+            "no gateway address found for --gateway ", absl::StrJoin(options_.gateways, ","),
+            " within --connect-timeout-s"));
+      break;
+    }
+    std::unique_lock<std::mutex> lock(sessions_mu_);
+    if (sessions_cv_.wait_for(lock, active.empty() ? std::chrono::milliseconds(500)
+                                                   : std::chrono::seconds(5),
+                              [this] { return stop_.load(); }))
+      break;
+  }
+  Stop();
   for (auto& t : threads) t.join();
   std::lock_guard<std::mutex> lock(mu);
   return first_error;
@@ -549,7 +656,7 @@ void RankWorker::Offer(int session, uint64_t generation) {
     for (int e : held->second.begin()->second->expert_ids()) offer->add_experts(e);
   }
   // Without an exchange now, its gateway is offered the newest when the exchange opens.
-  (void)sessions_[session]->SendControl(message);
+  if (std::shared_ptr<Session> s = FindSession(session)) (void)s->SendControl(message);
 }
 
 void RankWorker::QueueLoad(int session, const moe::v1::internal::LoadShards& request) {
@@ -565,7 +672,7 @@ void RankWorker::QueueLoad(int session, const moe::v1::internal::LoadShards& req
 
 void RankWorker::Answer(int session, const moe::v1::internal::RankToGateway& message) {
   // Without an exchange the gateway saw this rank go, and asks again once it is back.
-  (void)sessions_[session]->SendControl(message);
+  if (std::shared_ptr<Session> s = FindSession(session)) (void)s->SendControl(message);
 }
 
 void RankWorker::LoaderLoop() {

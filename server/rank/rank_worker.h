@@ -40,7 +40,9 @@
 namespace moe {
 
 struct RankOptions {
-  // HOST:PORT of each moe-gateway's control port (--control-port): one session each.
+  // HOST:PORT of moe-gateways' control ports (--control-port): one session per gateway. A name
+  // stands for every address it resolves to (IPv4 when it has any), re-resolved every few
+  // seconds: a Kubernetes headless Service of a gateway Deployment lists each pod.
   std::vector<std::string> gateways;
   TlsFiles tls;                 // trust for the gateway; cert + key: this rank's identity (mTLS)
   std::string cluster_token;    // the gateway's cluster token ("" = none)
@@ -113,6 +115,12 @@ class RankWorker {
  private:
   class Session;  // one gateway (rank_worker.cc)
 
+  // The gateways the options name now: address -> the name it came from ("" for an address).
+  std::map<std::string, std::string> ResolveGateways() const;
+  std::shared_ptr<Session> FindSession(int session);
+  // A session whose gateway left the directory: its holds go, its generations may drop.
+  void RetireSession(int session);
+
   // Per layer, the shard of one placement generation.
   using LayerShards = std::map<int, std::shared_ptr<ExpertShard>>;
   static int64_t Bytes(const LayerShards& shards);  // their weight bytes
@@ -165,7 +173,9 @@ class RankWorker {
   std::deque<std::pair<int, moe::v1::internal::LoadShards>> load_queue_;
   bool loader_stop_ = false;  // guarded by loader_mu_
   std::thread loader_;
-  std::vector<std::unique_ptr<Session>> sessions_;
+  std::mutex sessions_mu_;
+  std::condition_variable sessions_cv_;                 // Stop() wakes the directory loop
+  std::map<int, std::shared_ptr<Session>> sessions_;  // guarded by sessions_mu_
   std::atomic<int> rank_{-1};
   std::atomic<int64_t> weight_bytes_{0};
   std::atomic<bool> stop_{false};

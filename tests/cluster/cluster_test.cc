@@ -112,7 +112,10 @@ class ClusterTest : public ::testing::Test {
     WriteExecutable(dir_ + "/moe-gateway",
                     absl::StrCat("#!/bin/sh\n"
                                  "dir=$(dirname \"$0\")\n"
+                                 "port=unknown; prev=\n"
+                                 "for a in \"$@\"; do [ \"$prev\" = --port ] && port=$a; prev=$a; done\n"
                                  "printf '%s\\n' \"$@\" > \"$dir/gateway.argv\"\n"
+                                 "printf '%s\\n' \"$@\" > \"$dir/gateway-$port.argv\"\n"
                                  "echo $$ > \"$dir/gateway.pid\"\n"
                                  "exec ",
                                  kBinDir, "/cluster_fake_gateway \"$@\"\n"));
@@ -422,6 +425,87 @@ TEST_F(ClusterTest, MissingBinariesAndBadFlags) {
 
 // The real moe-gateway and moe-rank (found next to moe-cluster, no --bin-dir) on a small
 // synthetic k3-mini checkpoint. Skips when they are not built.
+TEST_F(ClusterTest, SeveralGatewaysShareTheRanks) {
+  const int metrics = port_ > 30000 ? port_ - 1000 : port_ + 1000;
+  StartCluster(Args(2, {"--gateways", "2", "--metrics-port", std::to_string(metrics),
+                        "--cluster-token-file", dir_ + "/token", "--", "--serve-after-ms", "100"}));
+  const std::string ready = absl::StrCat("moe-cluster: ready on 127.0.0.1:", port_, ",127.0.0.1:",
+                                         port_ + 1, " (2 ranks, 2 gateways)");
+  ASSERT_TRUE(WaitForStdout(ready)) << Stderr();
+  // Gateway g: public port + g, control port (--port + 2) + g, metrics M + g; rank i: M + 2 + i.
+  for (int g = 0; g < 2; ++g) {
+    const std::vector<std::string> argv =
+        ReadLines(absl::StrCat(dir_, "/gateway-", port_ + g, ".argv"));
+    EXPECT_EQ(argv, (std::vector<std::string>{
+                        "--checkpoint", "/ckpt/k3-mini", "--port", std::to_string(port_ + g),
+                        "--ranks", "2", "--metrics-port", std::to_string(metrics + g), "--host",
+                        "127.0.0.1", "--drain-timeout-s", "30", "--control-port",
+                        std::to_string(port_ + 2 + g), "--cluster-token-file", dir_ + "/token",
+                        "--serve-after-ms", "100"}))
+        << Stderr();
+  }
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(WaitForFile(absl::StrCat(dir_, "/rank-", i, ".pid")));
+    EXPECT_EQ(ReadLines(absl::StrCat(dir_, "/rank-", i, ".argv")),
+              (std::vector<std::string>{
+                  "--gateway", absl::StrCat("127.0.0.1:", port_ + 2, ",127.0.0.1:", port_ + 3),
+                  "--rank", std::to_string(i), "--cluster-token-file", dir_ + "/token",
+                  "--metrics-port", std::to_string(metrics + 2 + i), "--metrics-host",
+                  "127.0.0.1"}));
+  }
+  const std::string err = Stderr();
+  EXPECT_NE(err.find("\n[gateway 0] fake gateway: SERVING\n"), std::string::npos) << err;
+  EXPECT_NE(err.find("\n[gateway 1] fake gateway: SERVING\n"), std::string::npos) << err;
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  EXPECT_TRUE(WaitExit().success()) << Stderr();
+}
+
+TEST_F(ClusterTest, PortsOfSeveralGatewaysMustNotOverlap) {
+  // Gateways on P, P+1 and control ports from P+1: refused before anything starts.
+  StartCluster(Args(1, {"--gateways", "2", "--control-port", std::to_string(port_ + 1)}));
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.exited() && exit.exit_code() == 2) << exit.Describe() << "\n" << Stderr();
+  EXPECT_NE(Stderr().find("overlap --port"), std::string::npos) << Stderr();
+}
+
+TEST_F(ClusterTest, RealGatewaysOverOneRankPoolAndARestartedGateway) {
+  for (const char* program : {"moe-gateway", "moe-rank", "moe-ckpt"}) {
+    if (access((kBinDir + "/" + program).c_str(), X_OK) != 0) {
+      GTEST_SKIP() << program << " not built";
+    }
+  }
+  const std::string checkpoint = dir_ + "/k3-mini";
+  ASSERT_EQ(std::system((kBinDir + "/moe-ckpt --preset k3-mini --layers 1 --quiet --out " +
+                         checkpoint + " > /dev/null")
+                            .c_str()),
+            0);
+  StartCluster({"--checkpoint", checkpoint, "--ranks", "2", "--gateways", "2", "--port",
+                std::to_string(port_), "--threads-per-rank", "1", "--restart-gateways"});
+  const std::string ready = absl::StrCat("moe-cluster: ready on 127.0.0.1:", port_, ",127.0.0.1:",
+                                         port_ + 1, " (2 ranks, 2 gateways)");
+  ASSERT_TRUE(WaitForStdout(ready, absl::Seconds(120))) << Stderr();
+  const pid_t gateway1 = ChildRunning(pid_, absl::StrCat("--port\n", port_ + 1, "\n"));
+  ASSERT_GT(gateway1, 0) << Stderr();
+  ASSERT_EQ(kill(gateway1, SIGKILL), 0);
+  // Started again; the ranks, still serving gateway 0, register with it anew.
+  auto count = [&](const std::string& text) {
+    const std::string err = Stderr();
+    size_t n = 0;
+    for (size_t at = err.find(text); at != std::string::npos; at = err.find(text, at + 1)) ++n;
+    return n;
+  };
+  const std::string gateway1_ready = "[gateway 1] moe-gateway: ready (2 ranks)";
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (count(gateway1_ready) < 2 && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(count(gateway1_ready), 2u) << Stderr();
+  EXPECT_EQ(count("[gateway 0] moe-gateway: ready (2 ranks)"), 1u) << "gateway 0 never lost them";
+  EXPECT_NE(Stderr().find("restarting in 1s (--restart-gateways)"), std::string::npos);
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  const ChildExit exit = WaitExit();
+  EXPECT_TRUE(exit.success()) << exit.Describe() << "\n" << Stderr();
+}
+
 TEST_F(ClusterTest, RealGatewayAndRanks) {
   for (const char* program : {"moe-gateway", "moe-rank", "moe-ckpt"}) {
     if (access((kBinDir + "/" + program).c_str(), X_OK) != 0) {
