@@ -55,7 +55,7 @@ import deploy_common as dc  # noqa: E402
 
 KINDS = {
     ("v1", "Namespace"), ("v1", "ConfigMap"), ("v1", "Service"), ("v1", "PersistentVolumeClaim"),
-    ("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"),
+    ("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"), ("policy/v1", "PodDisruptionBudget"),
     ("kustomize.config.k8s.io/v1beta1", "Kustomization"),
 }
 
@@ -65,6 +65,9 @@ FIELDS = {
     "metadata": {"name", "namespace", "labels", "annotations", "generateName"},
     "Deployment.spec": {"replicas", "selector", "template", "strategy", "minReadySeconds",
                         "revisionHistoryLimit", "progressDeadlineSeconds", "paused"},
+    "deploymentStrategy": {"type", "rollingUpdate"},
+    "rollingUpdate": {"maxSurge", "maxUnavailable"},
+    "PodDisruptionBudget.spec": {"minAvailable", "maxUnavailable", "selector", "unhealthyPodEvictionPolicy"},
     "StatefulSet.spec": {"replicas", "selector", "template", "serviceName", "podManagementPolicy",
                          "updateStrategy", "revisionHistoryLimit", "volumeClaimTemplates", "minReadySeconds",
                          "persistentVolumeClaimRetentionPolicy", "ordinals"},
@@ -174,6 +177,10 @@ class Checker:
             spec = doc.get("spec")
             if kind in ("Deployment", "StatefulSet"):
                 self.keys(spec, f"{kind}.spec", where)
+                if "strategy" in spec:
+                    self.keys(spec["strategy"], "deploymentStrategy", f"{where} strategy")
+                    if "rollingUpdate" in spec["strategy"]:
+                        self.keys(spec["strategy"]["rollingUpdate"], "rollingUpdate", f"{where} rollingUpdate")
                 self.keys(spec.get("selector"), "selector", f"{where} selector")
                 self.keys(spec.get("template"), "template", f"{where} template")
                 self.keys(spec["template"].get("metadata"), "metadata", f"{where} template metadata")
@@ -209,6 +216,18 @@ class Checker:
                     self.keys(p, "servicePort", f"{where} port")
             elif kind == "PersistentVolumeClaim":
                 self.keys(spec, "PersistentVolumeClaim.spec", where)
+            elif kind == "PodDisruptionBudget":
+                self.keys(spec, "PodDisruptionBudget.spec", where)
+                self.keys(spec.get("selector"), "selector", f"{where} selector")
+                targets = [d for _, d in self.of_kind("Deployment") + self.of_kind("StatefulSet")
+                           if all(((d["spec"]["template"].get("metadata") or {}).get("labels") or {}).get(k) == v
+                                  for k, v in ((spec.get("selector") or {}).get("matchLabels") or {}).items())]
+                self.f.check(len(targets) == 1, f"{where}: selects {len(targets)} workloads, not one")
+                if targets:
+                    replicas = int(targets[0]["spec"].get("replicas", 1))
+                    self.f.check(isinstance(spec.get("minAvailable"), int) and 0 < spec["minAvailable"] < replicas,
+                                 f"{where}: minAvailable {spec.get('minAvailable')} must leave room to evict one of "
+                                 f"{replicas} replicas and keep one")
             elif kind == "ConfigMap":
                 for key, value in (doc.get("data") or {}).items():
                     self.f.check(isinstance(value, str), f"{where}: data.{key} = {value!r} is not a string")
@@ -314,9 +333,12 @@ class Checker:
                 self.f.check(pod.get("dnsPolicy") == "ClusterFirstWithHostNet",
                              f"{where}: hostNetwork needs dnsPolicy ClusterFirstWithHostNet to resolve Services")
                 if kind == "Deployment":
-                    self.f.check((spec.get("strategy") or {}).get("type") == "Recreate",
-                                 f"{where}: a hostNetwork Deployment needs strategy Recreate (the new pod needs "
-                                 "the old one's host ports)")
+                    strategy = spec.get("strategy") or {}
+                    rolling = strategy.get("rollingUpdate") or {}
+                    self.f.check(strategy.get("type") == "Recreate" or
+                                 (strategy.get("type") == "RollingUpdate" and str(rolling.get("maxSurge")) == "0"),
+                                 f"{where}: a hostNetwork Deployment needs strategy Recreate, or RollingUpdate with "
+                                 "maxSurge 0 (the new pod needs the old one's host ports)")
             sc = pod.get("securityContext") or {}
             self.f.check(sc.get("runAsNonRoot") is True, f"{where}: runAsNonRoot is not set")
             self.f.check(str(sc.get("runAsUser")) == str(user),
@@ -341,7 +363,7 @@ class Checker:
                 binary, values = main
                 uses = [(binary, values, "command")]
                 ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
-                if host_network and (spec.get("replicas", 1) > 1 or kind == "StatefulSet"):
+                if host_network and kind == "StatefulSet":
                     self.f.check(not c.get("ports"),
                                  f"{cw}: hostNetwork replicas would share the node's ports; declare no "
                                  "containerPort (it becomes a hostPort and allows one pod per node)")
