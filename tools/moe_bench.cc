@@ -230,6 +230,30 @@ absl::Status RunLayer(const LayerOptions& opt) {
         r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms,
         r.shared_ms, r.finish_ms);
 
+  // Several gateways over one rank pool: what a gateway and the ranks spend per token. The
+  // gateway runs route + shared + finish for every token; the experts divide across the ranks.
+  const int threads = backend.num_threads();
+  std::printf(
+      "M2N cost model (%d threads per process, from the stage split; a rank is a process like "
+      "this one):\n%7s %16s %16s %13s %s\n",
+      threads, "tokens", "gateway cpu-ms/t", "ranks cpu-ms/t", "ranks/gateway",
+      "tokens/s one gateway feeds with R = 1 / 2 / 4 / 8 / 16 ranks (G: gateway-bound)");
+  for (const Row& r : rows) {
+    const double gateway_ms = r.route_ms + r.shared_ms + r.finish_ms;
+    const double per_token = 1.0 / static_cast<double>(r.tokens);
+    std::string rates;
+    for (int ranks : {1, 2, 4, 8, 16}) {
+      const double gateway_rate = r.tokens / (gateway_ms / 1e3);
+      const double pool_rate = ranks * r.tokens / (r.experts_ms / 1e3);
+      absl::StrAppend(&rates, ranks == 1 ? "" : " / ",
+                      absl::StrFormat("%.0f%s", std::min(gateway_rate, pool_rate),
+                                      gateway_rate < pool_rate ? "G" : ""));
+    }
+    std::printf("%7lld %16.3f %16.3f %13.2f %s\n", static_cast<long long>(r.tokens),
+                gateway_ms * threads * per_token, r.experts_ms * threads * per_token,
+                r.experts_ms / gateway_ms, rates.c_str());
+  }
+
   if (!opt.json.empty()) {
     std::ofstream out(opt.json);
     out << absl::StrFormat(
@@ -251,10 +275,13 @@ absl::Status RunLayer(const LayerOptions& opt) {
           "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
           "\"roofline_ms\": %.4f, "
           "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
-          "\"finish_ms\": %.3f}",
+          "\"finish_ms\": %.3f, \"gateway_cpu_ms_per_token\": %.4f, "
+          "\"ranks_cpu_ms_per_token\": %.4f}",
           i ? ", " : "", r.tokens, tier, r.median_ms, r.min_ms, r.runs, r.experts_touched,
           r.read_gbps, r.peak_gflops, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms,
-          r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms);
+          r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms,
+          (r.route_ms + r.shared_ms + r.finish_ms) * threads / r.tokens,
+          r.experts_ms * threads / r.tokens);
     }
     out << "]}\n";
   }
