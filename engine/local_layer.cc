@@ -15,7 +15,7 @@ absl::StatusOr<std::unique_ptr<LocalMoeLayer>> LocalMoeLayer::Load(const Checkpo
     return absl::InvalidArgumentError(absl::StrCat("placement covers ", placement.num_experts,
                                                    " experts, model has ",
                                                    config.routing.num_experts));
-  std::unique_ptr<LocalMoeLayer> local(new LocalMoeLayer(backend));
+  std::unique_ptr<LocalMoeLayer> local(new LocalMoeLayer(backend, placement.num_ranks()));
   local->layer_ = layer;
   int64_t before = 0;  // bytes of the shards loaded already
   for (int r = 0; r < placement.num_ranks(); ++r) {
@@ -38,7 +38,7 @@ absl::StatusOr<std::unique_ptr<LocalMoeLayer>> LocalMoeLayer::Load(const Checkpo
   // The engine's own precision is unused: Forward names one per call.
   ASSIGN_OR_RETURN(local->engine_,
                    StepEngine::Create(checkpoint, {layer}, placement, Precision::kBF16, backend,
-                                      &local->transport_));
+                                      &local->transport_, &local->membership_));
   return local;
 }
 

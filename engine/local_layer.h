@@ -42,9 +42,11 @@ class LocalMoeLayer {
   GatewayLayer& gateway() { return *engine_->layer(layer_); }
 
  private:
-  explicit LocalMoeLayer(Backend* backend) : transport_(backend) {}
+  explicit LocalMoeLayer(Backend* backend, int num_ranks)
+      : transport_(backend), membership_(num_ranks, /*up=*/true) {}
   int layer_ = 0;
   LoopbackTransport transport_;
+  Membership membership_;               // the in-process shards never go down
   std::unique_ptr<StepEngine> engine_;  // after transport_: it sends to it
 };
 

@@ -17,12 +17,14 @@ enum Slot { kInput, kExpertInput, kShared, kCombined, kOutput, kRankRows };
 
 absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(
     const Checkpoint& checkpoint, const std::vector<int>& layers, ExpertPlacement placement,
-    Precision precision, Backend* backend, GatewayTransport* transport, Progress* progress) {
+    Precision precision, Backend* backend, GatewayTransport* transport,
+    const Membership* membership, Progress* progress) {
   std::unique_ptr<StepEngine> engine(new StepEngine());
   engine->config_ = checkpoint.config();
   engine->precision_ = precision;
   engine->backend_ = backend;
   engine->transport_ = transport;
+  engine->membership_ = membership;
   if (placement.num_experts != engine->config_.routing.num_experts)
     return absl::InvalidArgumentError(absl::StrCat("placement covers ", placement.num_experts,
                                                    " experts, the model has ",
@@ -87,7 +89,7 @@ bool StepEngine::RankHolds(int rank, uint64_t generation) const {
 }
 
 bool StepEngine::RankServes(int rank) const {
-  return transport_->RankUp(rank) && RankHolds(rank, placement()->generation);
+  return membership_->IsUp(rank) && RankHolds(rank, placement()->generation);
 }
 
 std::vector<int> StepEngine::layers() const {
@@ -170,8 +172,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
   // to live replicas of the same experts, until its deadline; the result is the same bits
   // whichever replica computes an expert (fp64 combine).
   std::vector<bool> live(R);
-  for (int r = 0; r < R; ++r)
-    live[r] = transport_->RankUp(r) && RankHolds(r, placement->generation);
+  for (int r = 0; r < R; ++r) live[r] = membership_->IsUp(r) && RankHolds(r, placement->generation);
   ASSIGN_OR_RETURN(MatrixView shared, ws.Matrix(kShared, tokens, H));
   ASSIGN_OR_RETURN(PartialView combined, ws.Partial(kCombined, tokens, D));
   stats.rank_active_experts.assign(R, 0);
@@ -242,7 +243,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
     int64_t lost_rows = 0;
     // Lost: down, or no longer holding the step's placement (it came back with a newer one).
     for (const RankPart& part : dispatch.parts)
-      if (!transport_->RankUp(part.rank) || !RankHolds(part.rank, placement->generation)) {
+      if (!membership_->IsUp(part.rank) || !RankHolds(part.rank, placement->generation)) {
         live[part.rank] = false;
         lost_rows += part.rows.rows;
       }

@@ -20,6 +20,7 @@
 #include "model/checkpoint.h"
 #include "model/dispatch.h"
 #include "model/moe_layer.h"
+#include "transport/membership.h"
 #include "transport/transport.h"
 
 namespace moe {
@@ -71,12 +72,11 @@ struct PlacementGeneration {
 class StepEngine {
  public:
   // Loads the gateway tensors of `layers` and prepares them on `backend`.
-  static absl::StatusOr<std::unique_ptr<StepEngine>> Create(const Checkpoint& checkpoint,
-                                                            const std::vector<int>& layers,
-                                                            ExpertPlacement placement,
-                                                            Precision precision, Backend* backend,
-                                                            GatewayTransport* transport,
-                                                            Progress* progress = nullptr);
+  // Steps go through `transport` to the ranks `membership` says are up (both outlive it).
+  static absl::StatusOr<std::unique_ptr<StepEngine>> Create(
+      const Checkpoint& checkpoint, const std::vector<int>& layers, ExpertPlacement placement,
+      Precision precision, Backend* backend, GatewayTransport* transport,
+      const Membership* membership, Progress* progress = nullptr);
 
   const MoeConfig& config() const { return config_; }
   Precision precision() const { return precision_; }
@@ -134,6 +134,7 @@ class StepEngine {
   std::vector<std::vector<uint64_t>> rank_generations_;   // guarded by placement_mu_
   Backend* backend_ = nullptr;
   GatewayTransport* transport_ = nullptr;
+  const Membership* membership_ = nullptr;
   std::map<int, std::unique_ptr<LayerState>> layers_;
   std::atomic<uint64_t> next_step_id_{1};
   StepObserver* observer_ = nullptr;

@@ -18,45 +18,12 @@ using moe::v1::internal::StepResult;
 
 // ---- gateway side ---------------------------------------------------------------------------
 
-GrpcGatewayTransport::GrpcGatewayTransport(int num_ranks, Backend* backend,
-                                           const LivenessOptions& liveness)
-    : backend_(backend), liveness_(liveness) {
-  for (int r = 0; r < num_ranks; ++r) channels_.push_back(std::make_unique<Channel>());
-}
-
-void GrpcGatewayTransport::SetRankStateCallback(std::function<void(int, bool)> callback) {
-  std::lock_guard<std::mutex> lock(mu_);
-  on_rank_state_ = std::move(callback);
-}
+GrpcGatewayTransport::GrpcGatewayTransport(int num_ranks, Backend* backend, StepStreams* streams)
+    : backend_(backend), streams_(streams), ranks_(static_cast<size_t>(num_ranks)) {}
 
 void GrpcGatewayTransport::SetDroppedResultCallback(std::function<void(int)> callback) {
   std::lock_guard<std::mutex> lock(mu_);
   on_dropped_result_ = std::move(callback);
-}
-
-bool GrpcGatewayTransport::UpLocked(int rank) const {
-  // Down as soon as a reason is recorded: the moment its waiting steps fail, so the engine's
-  // re-dispatch sees the same state.
-  return rank >= 0 && rank < static_cast<int>(channels_.size()) &&
-         channels_[rank]->stream != nullptr && !channels_[rank]->silent &&
-         channels_[rank]->down_reason.empty();
-}
-
-void GrpcGatewayTransport::MarkDown(Channel& channel, std::string reason) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (channel.down_reason.empty()) channel.down_reason = std::move(reason);
-  cv_.notify_all();  // the steps waiting on this rank fail now
-}
-
-void GrpcGatewayTransport::CloseRankStreams() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& channel : channels_)
-    if (channel->context != nullptr) channel->context->TryCancel();
-}
-
-bool GrpcGatewayTransport::IsUp(int rank) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return UpLocked(rank);
 }
 
 int64_t GrpcGatewayTransport::dropped_results() const {
@@ -64,116 +31,42 @@ int64_t GrpcGatewayTransport::dropped_results() const {
   return dropped_results_;
 }
 
-int GrpcGatewayTransport::num_up() const {
+void GrpcGatewayTransport::RankDown(int rank, absl::string_view why) {
   std::lock_guard<std::mutex> lock(mu_);
-  int n = 0;
-  for (int r = 0; r < static_cast<int>(channels_.size()); ++r) n += UpLocked(r);
-  return n;
+  if (rank < 0 || rank >= static_cast<int>(ranks_.size())) return;
+  ranks_[rank].down_reason = why.empty() ? "went down" : std::string(why);
+  ++ranks_[rank].epoch;
+  cv_.notify_all();  // the steps waiting on this rank fail now
 }
 
-absl::Status GrpcGatewayTransport::ServeRank(
-    int rank, ExchangeServerStream* stream, grpc::ServerContext* context,
-    const std::function<void(const RankToGateway&)>& on_control) {
-  if (rank < 0 || rank >= static_cast<int>(channels_.size()))
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " outside [0, ", channels_.size(), ")"));
-  Channel& channel = *channels_[rank];
-  std::function<void(int, bool)> notify;
+void GrpcGatewayTransport::RankUp(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank >= 0 && rank < static_cast<int>(ranks_.size())) ranks_[rank].down_reason.clear();
+}
+
+void GrpcGatewayTransport::OnResult(int rank, moe::v1::internal::StepResult result) {
+  std::function<void(int)> on_dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (channel.stream != nullptr)
-      return absl::AlreadyExistsError(
-          absl::StrCat("rank ", rank, " already has an exchange stream"));
-    channel.stream = stream;
-    channel.context = context;
-    channel.silent = false;
-    channel.down_reason.clear();
-    notify = on_rank_state_;
-  }
-  if (notify) notify(rank, true);
-
-  {
-    // A rank that sends nothing, not even a heartbeat, is marked down at once and its stream
-    // cancelled (which also unblocks a Write stuck on its full flow-control window).
-    StreamLiveness liveness(
-        liveness_,
-        [&channel, stream] {
-          std::unique_lock<std::mutex> write_lock(channel.write_mu, std::try_to_lock);
-          if (!write_lock.owns_lock()) return;  // a step is being written: proof enough
-          GatewayToRank heartbeat;
-          heartbeat.mutable_heartbeat();
-          stream->Write(heartbeat);
-        },
-        [this, &channel, context, rank] {
-          std::function<void(int, bool)> on_down;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            channel.silent = true;
-            on_down = on_rank_state_;
-          }
-          const int64_t ms = absl::ToInt64Milliseconds(liveness_.peer_timeout);
-          std::fprintf(stderr, "moe-gateway: rank %d sent nothing for %lld ms: marked down\n", rank,
-                       static_cast<long long>(ms));
-          if (on_down) on_down(rank, false);
-          MarkDown(channel, absl::StrCat("sent nothing for ", ms, " ms (hung or cut off)"));
-          context->TryCancel();
-        });
-    RankToGateway message;
-    while (stream->Read(&message)) {
-      liveness.Heard();
-      if ((message.has_shards_loaded() || message.has_placement_offer()) && on_control)
-        on_control(message);
-      if (!message.has_result()) continue;
-      std::function<void(int)> on_dropped;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        const uint64_t step = message.result().step_id();
-        // Only results for steps sent to this rank and still awaited are kept: anything else (a
-        // step given up on, or one never sent) would otherwise stay in memory for good.
-        if (sent_bytes_.count({step, rank}) == 0) {
-          ++dropped_results_;
-          on_dropped = on_dropped_result_;
-        } else {
-          results_[{step, rank}] = std::move(*message.mutable_result());
-          cv_.notify_all();
-        }
-      }
-      if (on_dropped) on_dropped(rank);
+    const auto key = std::make_pair(result.step_id(), rank);
+    auto sent = sent_.find(key);
+    // Only results for steps sent to this rank in its current session and still awaited are
+    // kept: anything else (a step given up on, or one never sent) would stay in memory for good.
+    if (sent == sent_.end() || rank < 0 || rank >= static_cast<int>(ranks_.size()) ||
+        sent->second.epoch != ranks_[rank].epoch) {
+      ++dropped_results_;
+      on_dropped = on_dropped_result_;
+    } else {
+      results_[key] = std::move(result);
+      cv_.notify_all();
     }
   }
-  // The stream ended: wait out any Write in progress, then mark the rank down.
-  {
-    std::lock_guard<std::mutex> write_lock(channel.write_mu);
-    std::lock_guard<std::mutex> lock(mu_);
-    const bool was_silent = channel.silent;
-    channel.stream = nullptr;
-    channel.context = nullptr;
-    channel.silent = false;
-    notify = was_silent ? nullptr : on_rank_state_;  // a silent rank was reported down already
-  }
-  if (notify) notify(rank, false);
-  MarkDown(channel, "went down");
-  return absl::OkStatus();
-}
-
-absl::Status GrpcGatewayTransport::SendControl(int rank, const GatewayToRank& message) {
-  if (rank < 0 || rank >= static_cast<int>(channels_.size()))
-    return absl::InvalidArgumentError(absl::StrCat("no rank ", rank));
-  Channel& channel = *channels_[rank];
-  std::lock_guard<std::mutex> write_lock(channel.write_mu);
-  ExchangeServerStream* stream;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stream = UpLocked(rank) ? channel.stream : nullptr;
-  }
-  if (stream == nullptr || !stream->Write(message))
-    return absl::UnavailableError(absl::StrCat("rank ", rank, " is down"));
-  return absl::OkStatus();
+  if (on_dropped) on_dropped(rank);
 }
 
 absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
   for (const RankPart& part : dispatch.parts) {
-    if (part.rank < 0 || part.rank >= static_cast<int>(channels_.size()))
+    if (part.rank < 0 || part.rank >= static_cast<int>(ranks_.size()))
       return absl::InternalError(absl::StrCat("dispatch to unknown rank ", part.rank));
     GatewayToRank message;
     auto* step = message.mutable_step();
@@ -199,21 +92,17 @@ absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
     step->mutable_local_experts()->Add(a.local_experts.begin(), a.local_experts.end());
     step->mutable_gates()->Add(a.gates.begin(), a.gates.end());
 
-    Channel& channel = *channels_[part.rank];
-    std::lock_guard<std::mutex> write_lock(channel.write_mu);
-    ExchangeServerStream* stream;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stream = UpLocked(part.rank) ? channel.stream : nullptr;
-    }
-    if (stream == nullptr)
-      return absl::UnavailableError(absl::StrCat("rank ", part.rank, " is down"));
     {
       // Before the write: the rank's answer may arrive before Write returns.
       std::lock_guard<std::mutex> lock(mu_);
-      sent_bytes_[{dispatch.step_id, part.rank}] = static_cast<int64_t>(message.ByteSizeLong());
+      const RankState& state = ranks_[part.rank];
+      if (!state.down_reason.empty())
+        return absl::UnavailableError(
+            absl::StrCat("rank ", part.rank, " is down (", state.down_reason, ")"));
+      sent_[{dispatch.step_id, part.rank}] =
+          Sent{static_cast<int64_t>(message.ByteSizeLong()), state.epoch};
     }
-    if (!stream->Write(message))
+    if (absl::Status s = streams_->Write(part.rank, message); !s.ok())
       return absl::UnavailableError(
           absl::StrCat("rank ", part.rank, ": exchange stream broke while sending"));
   }
@@ -235,17 +124,20 @@ absl::Status GrpcGatewayTransport::Collect(
         if (it != results_.end()) {
           results[i] = std::move(it->second);
           results_.erase(it);
-          auto sent = sent_bytes_.find(key);
-          if (sent != sent_bytes_.end()) {
-            bytes_sent[i] = sent->second;
-            sent_bytes_.erase(sent);
+          auto sent = sent_.find(key);
+          if (sent != sent_.end()) {
+            bytes_sent[i] = sent->second.bytes;
+            sent_.erase(sent);
           }
           break;
         }
-        const Channel& channel = *channels_[rank];
-        if (!channel.down_reason.empty())
-          return absl::UnavailableError(absl::StrCat("rank ", rank, " ", channel.down_reason,
-                                                     " during step ", dispatch.step_id));
+        // Down since the step was sent (even if back up already: its answer is lost).
+        auto sent = sent_.find(key);
+        const RankState& state = ranks_[rank];
+        if (sent == sent_.end() || sent->second.epoch != state.epoch)
+          return absl::UnavailableError(absl::StrCat(
+              "rank ", rank, " ", state.down_reason.empty() ? "went down" : state.down_reason,
+              " during step ", dispatch.step_id));
         const absl::Duration left = deadline - absl::Now();
         if (left <= absl::ZeroDuration())
           return absl::DeadlineExceededError(absl::StrCat(
@@ -291,8 +183,7 @@ void GrpcGatewayTransport::Abandon(uint64_t step_id) {
       ++it;
     }
   }
-  sent_bytes_.erase(sent_bytes_.lower_bound({step_id, 0}),
-                    sent_bytes_.lower_bound({step_id + 1, 0}));
+  sent_.erase(sent_.lower_bound({step_id, 0}), sent_.lower_bound({step_id + 1, 0}));
 }
 
 // ---- rank side ------------------------------------------------------------------------------

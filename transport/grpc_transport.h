@@ -1,14 +1,17 @@
 // The gRPC transport: the step exchange over one persistent bidirectional stream per rank
 // (moe.v1.internal.RankControl/Exchange), opened by the rank so that only the gateway needs
-// to be reachable. Usable across hosts; the default on hosts without GPUs.
+// to be reachable. Usable across hosts; the default on hosts without GPUs. On the gateway it is
+// a data plane only: the control plane (server/control) runs the streams, their liveness and
+// membership, and hands it results (OnResult) and membership changes (RankDown / RankUp).
 //
 // Wire format per step (DESIGN.md "Dispatch rule"):
 //   gateway -> rank r  StepRequest: rows [num_rows, width] as bf16 (bf16 mode, exact: the
 //                      rows are bf16 values) or fp32, plus per row its local experts and gates.
 //   rank r -> gateway  StepResult: fp64 partial sums [num_rows, width], or an error code.
-// Both sides also send a Heartbeat every LivenessOptions::heartbeat; a rank silent for
-// peer_timeout is marked down (its waiting steps fail UNAVAILABLE) and its stream cancelled, and
-// a rank that hears nothing from the gateway for as long gives up on the stream.
+// Both sides also send a Heartbeat every LivenessOptions::heartbeat (the gateway's from its
+// control plane); a rank silent for peer_timeout is marked down (its waiting steps fail
+// UNAVAILABLE) and its stream cancelled, and a rank that hears nothing from the gateway for as
+// long gives up on the stream.
 #pragma once
 
 #include <condition_variable>
@@ -36,10 +39,20 @@ using ExchangeServerStream =
 using ExchangeClientStream =
     grpc::ClientReaderWriter<moe::v1::internal::RankToGateway, moe::v1::internal::GatewayToRank>;
 
+// Where the gRPC data plane writes steps: the ranks' exchange streams, which the control plane
+// owns (server/control/rank_sessions.h) together with their liveness and membership.
+class StepStreams {
+ public:
+  virtual ~StepStreams() = default;
+  // Writes `message` on rank `rank`'s exchange stream; UNAVAILABLE when it has none.
+  virtual absl::Status Write(int rank, const moe::v1::internal::GatewayToRank& message) = 0;
+};
+
 class GrpcGatewayTransport final : public GatewayTransport {
  public:
-  // `backend` is the gateway's: rows are read from, partials written to, its memory.
-  GrpcGatewayTransport(int num_ranks, Backend* backend, const LivenessOptions& liveness = {});
+  // `backend` is the gateway's: rows are read from, partials written to, its memory. Steps go
+  // out through `streams`; results come in through OnResult. Every rank starts down.
+  GrpcGatewayTransport(int num_ranks, Backend* backend, StepStreams* streams);
 
   std::string name() const override { return "grpc"; }
   absl::Status Send(const StepDispatch& dispatch) override;
@@ -47,53 +60,37 @@ class GrpcGatewayTransport final : public GatewayTransport {
                        const std::function<absl::Status(size_t, ConstPartialView,
                                                         const RankStepStats&)>& consume) override;
   void Abandon(uint64_t step_id) override;
+  void RankDown(int rank, absl::string_view why) override;
+  void RankUp(int rank) override;
 
-  // Runs rank `rank`'s side of the exchange on `stream` (the Exchange handler's thread, whose
-  // `context` it cancels when the rank falls silent) until the stream ends. The rank counts as
-  // up meanwhile, unless it fell silent. Control messages from the rank (anything but results
-  // and heartbeats: ShardsLoaded, PlacementOffer) go to `on_control`, on this thread.
-  absl::Status ServeRank(
-      int rank, ExchangeServerStream* stream, grpc::ServerContext* context,
-      const std::function<void(const moe::v1::internal::RankToGateway&)>& on_control = nullptr);
-  // Writes a control message (LoadShards, KeepShards) on rank `rank`'s stream, between steps'
-  // writes. UNAVAILABLE when the rank is down.
-  absl::Status SendControl(int rank, const moe::v1::internal::GatewayToRank& message);
-  // Cancels every rank's stream (shutdown: they never end on their own).
-  void CloseRankStreams();
-  bool RankUp(int rank) const override { return IsUp(rank); }
-  bool IsUp(int rank) const;
-  // Results that came for steps not awaited (abandoned, or never sent to that rank): dropped.
+  // A result from rank `rank`'s stream (its reader thread). Kept only when it answers a step
+  // sent to that rank in its current session and still awaited: anything else (a step given up
+  // on, never sent, or sent before the rank went down) is dropped and counted.
+  void OnResult(int rank, moe::v1::internal::StepResult result);
+  // Results dropped as not awaited.
   int64_t dropped_results() const;
-  int num_up() const;
-  // Called (outside locks) whenever a rank goes up or down.
-  void SetRankStateCallback(std::function<void(int rank, bool up)> callback);
   // Called (outside locks) for every result dropped as not awaited, with the rank it came from.
   void SetDroppedResultCallback(std::function<void(int rank)> callback);
 
  private:
-  struct Channel {
-    std::mutex write_mu;                     // one Write at a time per stream
-    ExchangeServerStream* stream = nullptr;  // guarded by mu_
-    grpc::ServerContext* context = nullptr;  // guarded by mu_: the stream's call
-    bool silent = false;                     // guarded by mu_: heard nothing for peer_timeout
-    // Guarded by mu_; set once the rank was reported down (so a caller that sees its step fail
-    // also sees health updated): why, for the steps that waited on it. Empty while up.
-    std::string down_reason;
+  struct RankState {
+    std::string down_reason = "has not registered";  // "" while up
+    uint64_t epoch = 0;  // +1 whenever the rank goes down: a step sent before never returns
   };
-  bool UpLocked(int rank) const;  // mu_ held
-  // After the rank state callback ran: fails the steps waiting on the channel with `reason`.
-  void MarkDown(Channel& channel, std::string reason);
   Backend* backend_;
-  const LivenessOptions liveness_;
-  std::vector<std::unique_ptr<Channel>> channels_;
+  StepStreams* const streams_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
+  std::vector<RankState> ranks_;                                               // guarded by mu_
   std::map<std::pair<uint64_t, int>, moe::v1::internal::StepResult> results_;  // (step, rank)
-  // (step, rank) -> bytes, for every part sent and not yet collected or abandoned: also the
-  // set of results a rank may deliver.
-  std::map<std::pair<uint64_t, int>, int64_t> sent_bytes_;
-  int64_t dropped_results_ = 0;  // results for steps not awaited (guarded by mu_)
-  std::function<void(int, bool)> on_rank_state_;
+  struct Sent {
+    int64_t bytes = 0;
+    uint64_t epoch = 0;
+  };
+  // (step, rank) -> what was sent, for every part sent and not yet collected or abandoned: also
+  // the set of results a rank may deliver.
+  std::map<std::pair<uint64_t, int>, Sent> sent_;  // guarded by mu_
+  int64_t dropped_results_ = 0;                    // guarded by mu_
   std::function<void(int)> on_dropped_result_;
   std::vector<uint8_t> staging_;  // device -> host copies of rows (GPU gateway)
   std::mutex staging_mu_;

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/status.h"
 
 namespace moe {
 
@@ -30,9 +31,28 @@ absl::Status LoopbackTransport::Send(const StepDispatch& dispatch) {
       return absl::UnavailableError(
           absl::StrCat("rank ", part.rank, " hosts no experts of layer ", dispatch.layer));
   std::lock_guard<std::mutex> lock(mu_);
+  RETURN_IF_ERROR(DownLocked(dispatch));
   if (!sent_.insert(dispatch.step_id).second)
     return absl::InvalidArgumentError(absl::StrCat("step ", dispatch.step_id, " sent twice"));
   return absl::OkStatus();
+}
+
+absl::Status LoopbackTransport::DownLocked(const StepDispatch& dispatch) const {
+  for (const RankPart& part : dispatch.parts)
+    if (auto it = down_.find(part.rank); it != down_.end())
+      return absl::UnavailableError(
+          absl::StrCat("rank ", part.rank, " ", it->second, " during step ", dispatch.step_id));
+  return absl::OkStatus();
+}
+
+void LoopbackTransport::RankDown(int rank, absl::string_view why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  down_[rank] = why.empty() ? "went down" : std::string(why);
+}
+
+void LoopbackTransport::RankUp(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  down_.erase(rank);
 }
 
 absl::Status LoopbackTransport::Collect(
@@ -43,6 +63,7 @@ absl::Status LoopbackTransport::Collect(
     if (sent_.erase(dispatch.step_id) != 1)
       return absl::FailedPreconditionError(
           absl::StrCat("step ", dispatch.step_id, " was not sent"));
+    RETURN_IF_ERROR(DownLocked(dispatch));
   }
   LayerRanks& layer = *layers_.at(dispatch.layer);
   std::lock_guard<std::mutex> lock(layer.mu);
@@ -53,6 +74,11 @@ absl::Status LoopbackTransport::Collect(
     absl::Status s = partial.status();
     if (s.ok()) s = layer.ranks.at(part.rank)(part, dispatch.precision, *partial);
     if (!s.ok()) return RankFailure(part.rank, s);
+    {
+      // Told down while it computed: its answer does not count (as a wire's would be lost).
+      std::lock_guard<std::mutex> down_lock(mu_);
+      RETURN_IF_ERROR(DownLocked(dispatch));
+    }
     if (absl::Now() > deadline)  // computed in process: the deadline is checked, not enforced
       return absl::DeadlineExceededError(absl::StrCat(
           "step ", dispatch.step_id, ": rank ", part.rank, " did not answer before the deadline"));

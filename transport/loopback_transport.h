@@ -39,8 +39,13 @@ class LoopbackTransport final : public GatewayTransport {
                        const std::function<absl::Status(size_t, ConstPartialView,
                                                         const RankStepStats&)>& consume) override;
   void Abandon(uint64_t step_id) override;
+  // Told by whoever keeps the membership (tests, a supervisor): a rank down gets no steps.
+  void RankDown(int rank, absl::string_view why) override;
+  void RankUp(int rank) override;
 
  private:
+  // UNAVAILABLE naming the first part's rank that is down (mu_ held).
+  absl::Status DownLocked(const StepDispatch& dispatch) const;
   struct LayerRanks {
     std::vector<std::unique_ptr<ExpertShard>> owned;
     std::map<int, RankCompute> ranks;
@@ -50,7 +55,8 @@ class LoopbackTransport final : public GatewayTransport {
   Backend* backend_;
   std::map<int, std::unique_ptr<LayerRanks>> layers_;
   std::mutex mu_;
-  std::set<uint64_t> sent_;  // guarded by mu_
+  std::set<uint64_t> sent_;          // guarded by mu_: sent, not yet collected or abandoned
+  std::map<int, std::string> down_;  // guarded by mu_: rank -> why, for ranks told down
 };
 
 }  // namespace moe

@@ -1,8 +1,12 @@
-// The step exchange between the gateway and its ranks: one interface, two peers.
+// The step exchange between the gateway and its ranks (the data plane): one interface, three
+// equal implementations, none of which decides who is up (the control plane does, and tells
+// them: RankDown / RankUp).
 //
-//   gRPC (transport/grpc_transport.h): persistent bidirectional streams, any host, CPU or GPU.
+//   gRPC (transport/grpc_transport.h): steps and results on the ranks' exchange streams, any
+//        host, CPU or GPU.
 //   NCCL (transport/nccl_transport.h): the gateway and the ranks form one communicator;
 //        counts first, then rows, then partial sums, as grouped ncclSend/ncclRecv.
+//   loopback (transport/loopback_transport.h): in-process shards.
 //
 // One step, as the gateway sees it:
 //   Send(dispatch)   rank r receives the expert-input rows of the tokens that chose at least
@@ -18,7 +22,7 @@
 //     fails because another is in flight (Send may wait for the wire: NCCL has one step on it).
 //   - Partials reach `consume` in ascending rank order, exactly as the rank computed them.
 //   - Collect fails DEADLINE_EXCEEDED once `deadline` passes, UNAVAILABLE naming the rank when a
-//     rank that got rows goes away (dies, or stays silent for the liveness timeout:
+//     rank that got rows is told down (it died, or stayed silent for the liveness timeout:
 //     stream_liveness.h), and RankFailure(rank, its error) when a rank reports one.
 //   - Abandon(step) after a failure: the step's late results are dropped, later steps work;
 //     except that a collective (NCCL) cannot lose a member or a step and go on: after a passed
@@ -113,15 +117,13 @@ class GatewayTransport {
   // Gives up on a step (after a failure): late results are dropped.
   virtual void Abandon(uint64_t step_id) = 0;
 
-  // Liveness kept outside the transport (the exchange stream's heartbeats, for NCCL) marked
-  // `rank` down: the steps waiting on it fail UNAVAILABLE now, not at their deadline. A
-  // transport that watches its own peers (gRPC) has nothing to do.
+  // Membership, told by the control plane (transport/membership.h, server/control), which
+  // alone decides who is up: `rank` went down (its exchange ended or fell silent), and the steps
+  // waiting on it fail UNAVAILABLE now, not at their deadline; or it is up again. The step
+  // engine dispatches only to ranks the membership has up, and after a failed step
+  // re-dispatches to live replicas of the same experts.
   virtual void RankDown(int rank, absl::string_view why) {}
-
-  // Whether `rank` is up as far as the transport knows (a stream transport watches its peers).
-  // The step engine dispatches only to live ranks, and after a failed step re-dispatches to
-  // live replicas of the same experts when a rank went down meanwhile.
-  virtual bool RankUp(int rank) const { return true; }
+  virtual void RankUp(int rank) {}
 };
 
 // A step as a rank receives it; `rows` lives in the rank backend's memory and stays valid

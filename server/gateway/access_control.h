@@ -5,7 +5,7 @@
 //   api (MoeService): callers, by the API token when one is set;
 //   admin (MoeDiagnostics): operators, by the admin token when one is set (else the API's).
 // Health is always open: probes carry no secrets. Every check reads only the call's metadata and
-// its TLS peer, before any message (server/gateway/read_after_admission.h). Refusals are counted
+// its TLS peer, before any message (server/read_after_admission.h). Refusals are counted
 // and logged (at most one line a second, so a scanner cannot flood the log).
 #pragma once
 
@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "security/rank_handshake.h"
+#include "server/control/cluster_control.h"
 
 namespace moe {
 
@@ -37,23 +38,26 @@ struct AccessOptions {
   std::string admin_token;
 };
 
-class AccessControl {
+class AccessControl final : public RankAdmission {
  public:
-  AccessControl(AccessOptions options, GatewayMetrics* metrics)
-      : options_(std::move(options)), metrics_(metrics), handshake_(options_.cluster_token) {}
+  explicit AccessControl(AccessOptions options)
+      : options_(std::move(options)), handshake_(options_.cluster_token) {}
+  // Where refusals are counted; set before any call.
+  void SetMetrics(GatewayMetrics* metrics) { metrics_ = metrics; }
 
   // FAILED_PRECONDITION when ranks would join unauthenticated without --insecure-cluster.
   static absl::Status CheckConfiguration(const AccessOptions& options);
 
   // The control port, every call: under mTLS the peer's certificate names the rank identity.
-  grpc::Status RankPeer(const grpc::ServerContext& context, absl::string_view method);
+  grpc::Status RankPeer(const grpc::ServerContext& context, absl::string_view method) override;
   // RankControl/Register: RankPeer, then the registration proof in the metadata; the requested
   // rank (metadata moe-rank-id, covered by the proof) into `requested_rank`.
-  grpc::Status RankRegistration(const grpc::ServerContext& context, int* requested_rank);
+  grpc::Status RankRegistration(const grpc::ServerContext& context, int* requested_rank) override;
   // RankControl/Exchange: RankPeer, then the session in the metadata, claimed (single use); the
   // rank (metadata moe-rank-id) into `rank`, the session into `session`.
-  grpc::Status RankExchange(const grpc::ServerContext& context, int* rank, std::string* session);
-  RankHandshake& handshake() { return handshake_; }
+  grpc::Status RankExchange(const grpc::ServerContext& context, int* rank,
+                            std::string* session) override;
+  RankHandshake& handshake() override { return handshake_; }
   grpc::Status Caller(const grpc::ServerContext& context, absl::string_view method);
   // PERMISSION_DENIED (the caller may be a legitimate API user, just not an operator).
   grpc::Status Admin(const grpc::ServerContext& context, absl::string_view method);
@@ -65,7 +69,7 @@ class AccessControl {
                       absl::string_view method, grpc::Status status);
 
   const AccessOptions options_;
-  GatewayMetrics* const metrics_;
+  GatewayMetrics* metrics_ = nullptr;
   RankHandshake handshake_;
   std::atomic<int64_t> refusals_{0};
   std::mutex log_mu_;

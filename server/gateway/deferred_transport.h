@@ -42,6 +42,9 @@ class DeferredTransport final : public GatewayTransport {
   void RankDown(int rank, absl::string_view why) override {
     if (GatewayTransport* t = Get()) t->RankDown(rank, why);
   }
+  void RankUp(int rank) override {
+    if (GatewayTransport* t = Get()) t->RankUp(rank);
+  }
 
  private:
   GatewayTransport* Get() const {

@@ -83,33 +83,40 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   }
 
   ASSIGN_OR_RETURN(gateway->backend_, CreateBackend(options.backend, options.device, options.cpu));
-  // The gRPC exchange streams always exist: they carry the steps (transport grpc) or serve as
-  // the ranks' liveness channel (transport nccl, whose communicator forms once all joined).
-  gateway->transport_ = std::make_unique<GrpcGatewayTransport>(
-      options.num_ranks, gateway->backend_.get(), options.liveness);
-  GatewayTransport* steps = gateway->transport_.get();
+  // The control plane first: the data planes and the engine follow its membership. The ranks'
+  // exchange streams always exist: they carry the steps (transport grpc) or only the control
+  // plane's liveness and messages (transport nccl, whose communicator forms once all joined).
+  gateway->access_ = std::make_unique<AccessControl>(access);
+  gateway->control_ =
+      std::make_unique<ClusterControl>(options.num_ranks, options.liveness, gateway->access_.get());
+  GatewayTransport* steps = nullptr;
   if (options.transport == "nccl") {
     gateway->nccl_ = std::make_shared<DeferredTransport>("nccl");
     steps = gateway->nccl_.get();
     ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
     ASSIGN_OR_RETURN(gateway->nccl_unique_id_, plugin->new_nccl_unique_id());
+  } else {
+    gateway->grpc_ = std::make_unique<GrpcGatewayTransport>(
+        options.num_ranks, gateway->backend_.get(), &gateway->control_->sessions());
+    steps = gateway->grpc_.get();
   }
   Progress progress("moe-gateway: loading layers", 0);
-  ASSIGN_OR_RETURN(gateway->engine_, StepEngine::Create(*gateway->checkpoint_, layers,
-                                                        std::move(placement), options.precision,
-                                                        gateway->backend_.get(), steps, &progress));
+  ASSIGN_OR_RETURN(gateway->engine_,
+                   StepEngine::Create(*gateway->checkpoint_, layers, std::move(placement),
+                                      options.precision, gateway->backend_.get(), steps,
+                                      &gateway->control_->membership(), &progress));
   gateway->metrics_ =
       std::make_unique<GatewayMetrics>(config, gateway->engine_->layers(),
                                        gateway->engine_->placement()->placement, options.metrics);
   gateway->engine_->SetObserver(gateway->metrics_.get());
   gateway->metrics_->SetBuildInfo(gateway->backend_->name());
-  gateway->access_ = std::make_unique<AccessControl>(access, gateway->metrics_.get());
+  gateway->access_->SetMetrics(gateway->metrics_.get());
   BalanceOptions balance = options.balance;
   balance.per_expert = options.metrics.per_expert;
   gateway->diagnostics_ = std::make_unique<BalanceDiagnostics>(gateway->engine_.get(),
                                                                gateway->metrics_.get(), balance);
   gateway->placement_changer_ = std::make_unique<PlacementChanger>(
-      gateway->engine_.get(), gateway->transport_.get(),
+      gateway->engine_.get(), gateway->control_.get(),
       [g = gateway.get()] { g->OnRankState(-1, true); },
       [metrics = gateway->metrics_.get()](const PlacementGeneration& followed) {
         metrics->SetPlacement(followed.generation, followed.placement);
@@ -119,11 +126,46 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
       [metrics = gateway->metrics_.get()](int64_t bytes) { metrics->SetStreamBufferBytes(bytes); });
   gateway->batcher_->SetQueueObserver(
       [metrics = gateway->metrics_.get()](int64_t tokens) { metrics->SetQueuedTokens(tokens); });
-  gateway->ranks_.resize(options.num_ranks);
-  gateway->transport_->SetRankStateCallback(
-      [g = gateway.get()](int rank, bool up) { g->OnRankState(rank, up); });
-  gateway->transport_->SetDroppedResultCallback(
-      [metrics = gateway->metrics_.get()](int rank) { metrics->OnDroppedResult(rank); });
+
+  Gateway* g = gateway.get();
+  ClusterControl::Hooks hooks;
+  hooks.fill_registration = [g](int rank, moe::v1::internal::RegisterResponse* response) {
+    g->FillRegistration(rank, response);
+  };
+  hooks.on_hello = [g](int rank, uint64_t generation) {
+    // The rank's shards are those of the generation it registered with; if the placement
+    // changed since, it loads the current one now and gets rows once it has.
+    g->placement_changer_->OnHello(rank, generation);
+  };
+  hooks.on_control = [g](int rank, const moe::v1::internal::RankToGateway& message) {
+    if (message.has_shards_loaded())
+      g->placement_changer_->OnShardsLoaded(rank, message.shards_loaded());
+    if (message.has_placement_offer())
+      g->placement_changer_->OnOffer(rank, message.placement_offer());
+  };
+  hooks.on_record = [g](int rank, const RankRecord& record) {
+    g->metrics_->SetRankWeightBytes(rank, record.weight_bytes);
+  };
+  if (g->grpc_ != nullptr) {
+    hooks.on_result = [g](int rank, moe::v1::internal::StepResult result) {
+      g->grpc_->OnResult(rank, std::move(result));
+    };
+    g->grpc_->SetDroppedResultCallback(
+        [metrics = g->metrics_.get()](int rank) { metrics->OnDroppedResult(rank); });
+  }
+  g->control_->SetHooks(std::move(hooks));
+  // Membership, in this order: health and metrics first (a caller who sees its step fail also
+  // sees health updated), then the data plane (the steps waiting on a rank that went fail).
+  g->control_->membership().Subscribe(
+      [g](int rank, bool up, const std::string&) { g->OnRankState(rank, up); });
+  GatewayTransport* data_plane = steps;
+  g->control_->membership().Subscribe([data_plane](int rank, bool up, const std::string& why) {
+    if (up) {
+      data_plane->RankUp(rank);
+    } else {
+      data_plane->RankDown(rank, why);
+    }
+  });
   return gateway;
 }
 
@@ -192,7 +234,6 @@ absl::Status Gateway::Start() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   moe_service_ = std::make_unique<MoeServiceImpl>(this);
-  control_service_ = std::make_unique<RankControlServiceImpl>(this);
   diagnostics_service_ = std::make_unique<DiagnosticsServiceImpl>(this);
   kserve_service_ = std::make_unique<KServeServiceImpl>(this);
   // The control port first: ranks may connect as soon as the public port answers health.
@@ -202,11 +243,11 @@ absl::Status Gateway::Start() {
   // A rank's connection carries Challenge, Register and one Exchange at a time.
   ASSIGN_OR_RETURN(
       control_server_,
-      Listen(
-          control_host, options_.control_port, &control_port_, ControlTls(), ControlMessageLimit(),
-          options_.batcher.max_tokens_per_step * c.expert_input_size() * int64_t{4} +
-              (int64_t{1} << 20),
-          ControlTransportMemory(), /*max_streams=*/8, {control_service_.get()}, "--control-port"));
+      Listen(control_host, options_.control_port, &control_port_, ControlTls(),
+             ControlMessageLimit(),
+             options_.batcher.max_tokens_per_step * c.expert_input_size() * int64_t{4} +
+                 (int64_t{1} << 20),
+             ControlTransportMemory(), /*max_streams=*/8, {control_->service()}, "--control-port"));
   ASSIGN_OR_RETURN(
       server_,
       Listen(options_.host, options_.port, &port_, options_.tls, RequestLimit(),
@@ -297,7 +338,7 @@ void Gateway::Shutdown(absl::Duration grace) {
     health_ = nullptr;
   }
   if (server_ != nullptr) {
-    transport_->CloseRankStreams();
+    control_->Close();
     server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
     server_->Wait();
     server_.reset();
@@ -360,7 +401,8 @@ std::vector<int> Gateway::ExpertsWithoutLiveReplica() const {
 bool Gateway::ready() const {
   // NCCL needs every member of the communicator; over gRPC streams the gateway serves while
   // every expert has a live replica (redundant placements ride out a rank's loss).
-  if (nccl_ != nullptr) return transport_->num_up() == options_.num_ranks && nccl_->installed();
+  if (nccl_ != nullptr)
+    return control_->membership().num_up() == options_.num_ranks && nccl_->installed();
   return ExpertsWithoutLiveReplica().empty();
 }
 
@@ -385,7 +427,8 @@ void Gateway::SetHealthLocked() {
 }
 
 std::string Gateway::ReadinessMessage() const {
-  std::string message = absl::StrCat(transport_->num_up(), " of ", options_.num_ranks, " ranks up");
+  std::string message =
+      absl::StrCat(control_->membership().num_up(), " of ", options_.num_ranks, " ranks up");
   if (nccl_ != nullptr && !nccl_->installed())
     absl::StrAppend(&message, ", NCCL communicator not formed yet");
   const std::vector<int> missing = ExpertsWithoutLiveReplica();
@@ -394,36 +437,23 @@ std::string Gateway::ReadinessMessage() const {
   return message;
 }
 
-absl::StatusOr<int> Gateway::ClaimRank(int requested) {
-  std::lock_guard<std::mutex> lock(ranks_mu_);
-  const int n = static_cast<int>(ranks_.size());
-  if (requested >= n)
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", requested, " requested, the gateway has ", n, " ranks"));
-  if (requested >= 0) {
-    if (transport_->IsUp(requested))
-      return absl::AlreadyExistsError(
-          absl::StrCat("rank ", requested, " is already registered and up"));
-    return requested;
+void Gateway::FillRegistration(int rank, moe::v1::internal::RegisterResponse* response) {
+  response->set_checkpoint(options_.checkpoint);
+  const auto current = engine_->placement();
+  response->set_placement_generation(current->generation);
+  for (int layer : engine_->layers()) {
+    auto* shard = response->add_shards();
+    shard->set_layer(layer);
+    for (int e : current->placement.rank_experts[rank]) shard->add_experts(e);
   }
-  for (int r = 0; r < n; ++r)
-    if (!ranks_[r].registered) return r;
-  for (int r = 0; r < n; ++r)
-    if (!transport_->IsUp(r)) return r;
-  return absl::ResourceExhaustedError(absl::StrCat("all ", n, " ranks are registered and up"));
-}
-
-void Gateway::UpdateRank(int rank, const RankRecord& record) {
-  {
-    std::lock_guard<std::mutex> lock(ranks_mu_);
-    ranks_[rank] = record;
+  response->set_precision(
+      static_cast<moe::v1::internal::Precision>(WirePrecision(engine_->precision())));
+  response->set_transport(options_.transport);
+  if (options_.transport == "nccl") {
+    response->set_nccl_unique_id(nccl_unique_id_);
+    response->set_nccl_rank(rank);
   }
-  metrics_->SetRankWeightBytes(rank, record.weight_bytes);
-}
-
-std::vector<RankRecord> Gateway::ranks() const {
-  std::lock_guard<std::mutex> lock(ranks_mu_);
-  return ranks_;
+  response->set_max_tokens_per_step(options_.batcher.max_tokens_per_step);
 }
 
 absl::StatusOr<PlacementChange> Gateway::ApplyPlacement(const std::string& text,
@@ -456,9 +486,6 @@ void Gateway::OnRankState(int rank, bool up) {
   if (rank >= 0 && !up) placement_changer_->OnRankDown(rank);
   if (rank >= 0 && up) placement_changer_->OnRankUp(rank);
   metrics_->SetExpertsUnavailable(static_cast<int>(ExpertsWithoutLiveReplica().size()));
-  // Under NCCL the exchange stream is only the liveness channel: its verdict must reach the
-  // communicator, whose waits would otherwise last until the step deadline.
-  if (rank >= 0 && !up && nccl_ != nullptr) nccl_->RankDown(rank, "is down (liveness)");
   // Serialized, and the state re-read under the lock: the last callback leaves the health
   // status matching the transport, however rank transitions interleave.
   std::lock_guard<std::mutex> lock(health_mu_);
@@ -466,7 +493,7 @@ void Gateway::OnRankState(int rank, bool up) {
   if (rank >= 0)
     std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
                  ReadinessMessage().c_str());
-  if (all_up && transport_->num_up() == options_.num_ranks)
+  if (all_up && control_->membership().num_up() == options_.num_ranks)
     std::fprintf(stderr, "moe-gateway: ready (%d ranks)\n", options_.num_ranks);
   else if (all_up)
     std::fprintf(stderr, "moe-gateway: serving degraded (%s): every expert has a live replica\n",

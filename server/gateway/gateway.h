@@ -24,6 +24,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
 #include "security/credentials.h"
+#include "server/control/cluster_control.h"
 #include "server/gateway/access_control.h"
 #include "server/gateway/auto_rebalancer.h"
 #include "server/gateway/balance_diagnostics.h"
@@ -37,7 +38,6 @@
 namespace moe {
 
 class MoeServiceImpl;
-class RankControlServiceImpl;
 class DiagnosticsServiceImpl;
 class KServeServiceImpl;
 
@@ -92,14 +92,6 @@ struct GatewayOptions {
   bool allow_placement_changes = false;
   absl::Duration placement_load_timeout = absl::Minutes(10);
   AutoRebalanceOptions auto_rebalance;  // applies the EPLB advice by itself (--auto-rebalance)
-};
-
-// What a rank told us about itself (model info).
-struct RankRecord {
-  bool registered = false;
-  std::string hostname;
-  std::string backend;
-  int64_t weight_bytes = 0;
 };
 
 class Gateway {
@@ -164,7 +156,6 @@ class Gateway {
   const Checkpoint& checkpoint() const { return *checkpoint_; }
   StepEngine& engine() { return *engine_; }
   StepBatcher& batcher() { return *batcher_; }
-  GrpcGatewayTransport& grpc_transport() { return *transport_; }
   GatewayMetrics& metrics() { return *metrics_; }
   BalanceDiagnostics& diagnostics() { return *diagnostics_; }
   int metrics_port() const { return metrics_->port(); }
@@ -179,12 +170,8 @@ class Gateway {
   // (who asks) is logged.
   absl::StatusOr<PlacementChange> ApplyPlacement(const std::string& text,
                                                  const std::string& source);
-  PlacementChanger& placement_changer() { return *placement_changer_; }
-
-  // Rank bookkeeping (control plane).
-  absl::StatusOr<int> ClaimRank(int requested);
-  void UpdateRank(int rank, const RankRecord& record);
-  std::vector<RankRecord> ranks() const;
+  // The ranks as the control plane knows them (model info).
+  std::vector<RankRecord> ranks() const { return control_->ranks(); }
 
  private:
   explicit Gateway(const GatewayOptions& options);
@@ -197,8 +184,10 @@ class Gateway {
                                                        const std::vector<grpc::Service*>& services,
                                                        const std::string& flag);
   void OnRankState(int rank, bool up);
+  // What a registration of `rank` loads: the placement in use, precision, transport.
+  void FillRegistration(int rank, moe::v1::internal::RegisterResponse* response);
   void SetHealthLocked();  // health_mu_ held: both health statuses from the state now
-  void EndRequest();  // by RequestSlot
+  void EndRequest();       // by RequestSlot
   // ApplyPlacement without the permission check (the operator's own --auto-rebalance).
   absl::StatusOr<PlacementChange> ChangePlacement(const std::string& text,
                                                   const std::string& source);
@@ -224,10 +213,14 @@ class Gateway {
   void StartNcclGroup();
 
   std::shared_ptr<Backend> backend_;
+  std::unique_ptr<AccessControl> access_;
+  // The control plane: rank admission, records, exchange streams, membership. Before the data
+  // planes and the engine, which follow its membership.
+  std::unique_ptr<ClusterControl> control_;
   std::shared_ptr<DeferredTransport> nccl_;  // transport nccl: the steps' transport
   std::string nccl_unique_id_;
   std::shared_ptr<LateCallback> nccl_callback_ = std::make_shared<LateCallback>();
-  std::unique_ptr<GrpcGatewayTransport> transport_;
+  std::unique_ptr<GrpcGatewayTransport> grpc_;  // transport grpc: the steps' transport
   std::unique_ptr<StepEngine> engine_;
   std::unique_ptr<GatewayMetrics> metrics_;
   std::unique_ptr<BalanceDiagnostics> diagnostics_;
@@ -235,10 +228,8 @@ class Gateway {
   std::unique_ptr<StepBatcher> batcher_;
   std::unique_ptr<AutoRebalancer> auto_rebalancer_;  // its thread uses the members above
   std::unique_ptr<MoeServiceImpl> moe_service_;
-  std::unique_ptr<RankControlServiceImpl> control_service_;
   std::unique_ptr<DiagnosticsServiceImpl> diagnostics_service_;
   std::unique_ptr<KServeServiceImpl> kserve_service_;
-  std::unique_ptr<AccessControl> access_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> control_server_;
   std::mutex health_mu_;
@@ -251,8 +242,6 @@ class Gateway {
   std::mutex in_flight_mu_;
   std::condition_variable in_flight_cv_;
   int64_t in_flight_ = 0;  // guarded by in_flight_mu_
-  mutable std::mutex ranks_mu_;
-  std::vector<RankRecord> ranks_;
 };
 
 }  // namespace moe

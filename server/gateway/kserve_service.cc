@@ -7,7 +7,7 @@
 #include "core/version.h"
 #include "model/config.h"
 #include "server/gateway/kserve_codec.h"
-#include "server/gateway/read_after_admission.h"
+#include "server/read_after_admission.h"
 #include "server/gateway/services.h"
 #include "server/grpc_status.h"
 

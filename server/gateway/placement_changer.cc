@@ -21,11 +21,11 @@ std::string RankText(const std::string& text) {
 
 using moe::v1::internal::GatewayToRank;
 
-PlacementChanger::PlacementChanger(StepEngine* engine, GrpcGatewayTransport* transport,
+PlacementChanger::PlacementChanger(StepEngine* engine, RankControlChannel* ranks,
                                    std::function<void()> on_change,
                                    std::function<void(const PlacementGeneration&)> on_follow)
     : engine_(engine),
-      transport_(transport),
+      ranks_(ranks),
       on_change_(std::move(on_change)),
       on_follow_(std::move(on_follow)),
       follower_([this] { FollowLoop(); }) {}
@@ -113,9 +113,20 @@ GatewayToRank PlacementChanger::LoadMessage(const PlacementGeneration& placement
 void PlacementChanger::Keep(int rank, uint64_t generation) {
   GatewayToRank message;
   message.mutable_keep_shards()->set_generation(generation);
-  // A rank down now registers again and is told the generation then.
-  (void)transport_->SendControl(rank, message);
+  Send(rank, message, "KeepShards");
   engine_->SetRankGenerations(rank, {generation});
+}
+
+void PlacementChanger::Send(int rank, const GatewayToRank& message, const char* what) {
+  // A rank down now registers again and is told the generation in use then; a rank whose
+  // stream broke in between is being marked down: neither is an error of the change.
+  if (absl::Status s = ranks_->SendControl(rank, message); !s.ok()) {
+    std::fprintf(stderr,
+                 "moe-gateway: %s not sent to rank %d (%s): it gets the placement in use "
+                 "when it registers again\n",
+                 what, rank, std::string(s.message()).c_str());
+    std::fflush(stderr);
+  }
 }
 
 void PlacementChanger::CatchUp(int rank) {
@@ -124,7 +135,7 @@ void PlacementChanger::CatchUp(int rank) {
   std::fprintf(stderr, "moe-gateway: rank %d loads placement generation %llu\n", rank,
                static_cast<unsigned long long>(current->generation));
   std::fflush(stderr);
-  (void)transport_->SendControl(rank, LoadMessage(*current, rank));
+  Send(rank, LoadMessage(*current, rank), "LoadShards");
 }
 
 void PlacementChanger::OnHello(int rank, uint64_t generation) {
@@ -166,7 +177,7 @@ void PlacementChanger::OnShardsLoaded(int rank, const moe::v1::internal::ShardsL
                  rank, static_cast<unsigned long long>(current), RankText(loaded.error()).c_str());
   GatewayToRank keep;  // whatever it loaded is not wanted: drop it
   keep.mutable_keep_shards()->set_generation(current);
-  (void)transport_->SendControl(rank, keep);
+  Send(rank, keep, "KeepShards");
 }
 
 absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
@@ -197,7 +208,7 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
     answers_.clear();
   }
   for (int r = 0; r < R; ++r) {
-    if (transport_->IsUp(r) && transport_->SendControl(r, LoadMessage(staged, r)).ok()) {
+    if (ranks_->IsUp(r) && ranks_->SendControl(r, LoadMessage(staged, r)).ok()) {
       targets.push_back(r);
     } else {
       change.ranks_down.push_back(r);
@@ -214,7 +225,7 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
       }
       bool waiting = false;
       for (int r : targets)
-        if (answers_.count(r) == 0 && transport_->IsUp(r)) waiting = true;
+        if (answers_.count(r) == 0 && ranks_->IsUp(r)) waiting = true;
       if (!waiting) break;
       if (absl::Now() >= deadline) {
         failed = absl::UnavailableError(absl::StrCat("ranks did not load placement generation ",
@@ -250,7 +261,7 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
     for (int e = 0; e < staged.placement.num_experts; ++e) {
       bool covered = false;
       for (const auto& replica : staged.placement.replicas[e])
-        covered = covered || (transport_->IsUp(replica.rank) &&
+        covered = covered || (ranks_->IsUp(replica.rank) &&
                               engine_->RankHolds(replica.rank, staged.generation));
       if (!covered) missing.push_back(e);
     }
@@ -277,7 +288,7 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
   for (int r = 0; r < R; ++r)
     if (engine_->RankHolds(r, staged.generation)) Keep(r, staged.generation);
   for (int r = 0; r < R; ++r)
-    if (transport_->IsUp(r)) CatchUp(r);  // came up during the change with the old one
+    if (ranks_->IsUp(r)) CatchUp(r);  // came up during the change with the old one
   change.took = absl::Now() - t0;
   std::fprintf(stderr,
                "moe-gateway: serving placement generation %llu (ranks loaded: %s; down: %s) "

@@ -31,7 +31,7 @@
 #include "absl/time/time.h"
 #include "engine/step_engine.h"
 #include "moe/v1/internal.pb.h"
-#include "transport/grpc_transport.h"
+#include "server/control/cluster_control.h"
 
 namespace moe {
 
@@ -47,8 +47,7 @@ class PlacementChanger {
   // `on_change` runs (outside locks) whenever which ranks serve the current placement changed:
   // the gateway re-evaluates readiness.
   // `on_follow` runs (on the follower thread) after this gateway followed another's change.
-  PlacementChanger(StepEngine* engine, GrpcGatewayTransport* transport,
-                   std::function<void()> on_change,
+  PlacementChanger(StepEngine* engine, RankControlChannel* ranks, std::function<void()> on_change,
                    std::function<void(const PlacementGeneration&)> on_follow = nullptr);
   ~PlacementChanger();  // stops and joins the follower thread
 
@@ -73,14 +72,16 @@ class PlacementChanger {
   moe::v1::internal::GatewayToRank LoadMessage(const PlacementGeneration& placement,
                                                int rank) const;
   void Keep(int rank, uint64_t generation);  // KeepShards, and the engine's bookkeeping
-  void CatchUp(int rank);                    // a live rank without the current generation loads it
+  // A control message to a rank; a failure is logged (the rank is down: it catches up later).
+  void Send(int rank, const moe::v1::internal::GatewayToRank& message, const char* what);
+  void CatchUp(int rank);  // a live rank without the current generation loads it
   // Follows every generation all ranks offered, newest first (the follower thread).
   void FollowLoop();
   // Switches to `next` (generation next.generation), which every rank holds.
   void Follow(PlacementGeneration next);
 
   StepEngine* const engine_;
-  GrpcGatewayTransport* const transport_;
+  RankControlChannel* const ranks_;
   const std::function<void()> on_change_;
   const std::function<void(const PlacementGeneration&)> on_follow_;
   std::mutex apply_mu_;  // one change at a time

@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/tensor_codec.h"
-#include "server/gateway/read_after_admission.h"
+#include "server/read_after_admission.h"
 #include "server/gateway/request_validation.h"
 #include "server/gateway/stream_outbox.h"
 #include "server/grpc_status.h"
@@ -327,114 +327,6 @@ grpc::Status DiagnosticsServiceImpl::StreamedApplyPlacement(
         response->mutable_ranks_down()->Add(change->ranks_down.begin(), change->ranks_down.end());
         return grpc::Status::OK;
       });
-}
-
-// ---- control plane ----------------------------------------------------------------------
-
-grpc::Status RankControlServiceImpl::StreamedChallenge(
-    grpc::ServerContext* context,
-    grpc::ServerUnaryStreamer<moe::v1::internal::ChallengeRequest,
-                              moe::v1::internal::ChallengeResponse>* stream) {
-  return ReadAfterAdmission(
-      *context, *stream, [&] { return gateway_->access().RankPeer(*context, "Challenge"); },
-      [&](const moe::v1::internal::ChallengeRequest&,
-          moe::v1::internal::ChallengeResponse* response) {
-        RankHandshake& handshake = gateway_->access().handshake();
-        response->set_nonce(handshake.NewNonce(absl::Now()));
-        response->set_token_required(handshake.token_required());
-        return grpc::Status::OK;
-      });
-}
-
-grpc::Status RankControlServiceImpl::StreamedRegister(
-    grpc::ServerContext* context,
-    grpc::ServerUnaryStreamer<moe::v1::internal::RegisterRequest,
-                              moe::v1::internal::RegisterResponse>* stream) {
-  int requested_rank = -1;
-  return ReadAfterAdmission(
-      *context, *stream,
-      [&] { return gateway_->access().RankRegistration(*context, &requested_rank); },
-      [&](const moe::v1::internal::RegisterRequest& request,
-          moe::v1::internal::RegisterResponse* response) {
-        return Register(request, requested_rank, context->peer(), response);
-      });
-}
-
-grpc::Status RankControlServiceImpl::Register(const moe::v1::internal::RegisterRequest& request,
-                                              int requested_rank, const std::string& peer,
-                                              moe::v1::internal::RegisterResponse* response) {
-  if (request.requested_rank() != requested_rank)
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("requested_rank ", request.requested_rank(), " differs from ",
-                                     kRankIdKey, " ", requested_rank, ", which the proof covers"));
-  auto rank = gateway_->ClaimRank(requested_rank);
-  if (!rank.ok()) return ToGrpcStatus(rank.status());
-  RankRecord record;
-  record.registered = true;
-  record.hostname = request.hostname().empty() ? peer : request.hostname().substr(0, 256);
-  record.backend = request.backend().substr(0, 256);
-  gateway_->UpdateRank(*rank, record);
-  response->set_rank(*rank);
-  response->set_num_ranks(gateway_->options().num_ranks);
-  response->set_checkpoint(gateway_->options().checkpoint);
-  const auto current = gateway_->engine().placement();
-  response->set_placement_generation(current->generation);
-  for (int layer : gateway_->engine().layers()) {
-    auto* shard = response->add_shards();
-    shard->set_layer(layer);
-    for (int e : current->placement.rank_experts[*rank]) shard->add_experts(e);
-  }
-  response->set_precision(
-      static_cast<moe::v1::internal::Precision>(WirePrecision(gateway_->engine().precision())));
-  response->set_transport(gateway_->options().transport);
-  if (gateway_->options().transport == "nccl") {
-    response->set_nccl_unique_id(gateway_->nccl_unique_id());
-    response->set_nccl_rank(*rank);
-  }
-  response->set_max_tokens_per_step(gateway_->options().batcher.max_tokens_per_step);
-  response->set_session(gateway_->access().handshake().OpenSession(*rank));
-  response->set_heartbeat_ms(
-      static_cast<int32_t>(absl::ToInt64Milliseconds(gateway_->options().liveness.heartbeat)));
-  response->set_peer_timeout_ms(
-      static_cast<int32_t>(absl::ToInt64Milliseconds(gateway_->options().liveness.peer_timeout)));
-  return grpc::Status::OK;
-}
-
-grpc::Status RankControlServiceImpl::Exchange(grpc::ServerContext* context,
-                                              ExchangeServerStream* stream) {
-  int rank = -1;
-  std::string session;
-  if (grpc::Status s = gateway_->access().RankExchange(*context, &rank, &session); !s.ok())
-    return s;
-  moe::v1::internal::RankToGateway first;
-  if (!stream->Read(&first))
-    return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");
-  if (!first.has_hello())
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "the first exchange message must be a hello");
-  const auto& hello = first.hello();
-  if (hello.rank() != rank || hello.session() != session)
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("the hello names rank ", hello.rank(),
-                                     " and another session than the metadata (rank ", rank, ")"));
-  const auto ranks = gateway_->ranks();
-  if (rank >= static_cast<int>(ranks.size()) || !ranks[rank].registered)
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("rank ", rank, " did not register"));
-  RankRecord record = ranks[rank];
-  record.weight_bytes = hello.weight_bytes();
-  record.backend = hello.backend().substr(0, 256);
-  gateway_->UpdateRank(rank, record);
-  // The rank's shards are those of the generation it registered with; if the placement changed
-  // since, it loads the current one now and gets rows once it has.
-  gateway_->placement_changer().OnHello(rank, hello.placement_generation());
-  return ToGrpcStatus(gateway_->grpc_transport().ServeRank(
-      rank, stream, context, [this, rank](const moe::v1::internal::RankToGateway& message) {
-        if (message.has_shards_loaded())
-          gateway_->placement_changer().OnShardsLoaded(rank, message.shards_loaded());
-        if (message.has_placement_offer())
-          gateway_->placement_changer().OnOffer(rank, message.placement_offer());
-      }));
 }
 
 }  // namespace moe

@@ -1,7 +1,6 @@
 // The gateway's gRPC services. Thin: parse, call the gateway, map the status.
 #pragma once
 
-#include "moe/v1/internal.grpc.pb.h"
 #include "moe/v1/moe.grpc.pb.h"
 #include "server/gateway/gateway.h"
 
@@ -71,32 +70,6 @@ class DiagnosticsServiceImpl final : public DiagnosticsServiceBase {
           stream) override;
 
  private:
-  Gateway* gateway_;
-};
-
-using RankControlServiceBase = moe::v1::internal::RankControl::WithStreamedUnaryMethod_Challenge<
-    moe::v1::internal::RankControl::WithStreamedUnaryMethod_Register<
-        moe::v1::internal::RankControl::Service>>;
-
-// The control port. Nothing is read before the peer proved it is a rank (access_control.h).
-class RankControlServiceImpl final : public RankControlServiceBase {
- public:
-  explicit RankControlServiceImpl(Gateway* gateway) : gateway_(gateway) {}
-
-  grpc::Status StreamedChallenge(
-      grpc::ServerContext* context,
-      grpc::ServerUnaryStreamer<moe::v1::internal::ChallengeRequest,
-                                moe::v1::internal::ChallengeResponse>* stream) override;
-  grpc::Status StreamedRegister(
-      grpc::ServerContext* context,
-      grpc::ServerUnaryStreamer<moe::v1::internal::RegisterRequest,
-                                moe::v1::internal::RegisterResponse>* stream) override;
-  grpc::Status Exchange(grpc::ServerContext* context, ExchangeServerStream* stream) override;
-
- private:
-  grpc::Status Register(const moe::v1::internal::RegisterRequest& request, int requested_rank,
-                        const std::string& peer, moe::v1::internal::RegisterResponse* response);
-
   Gateway* gateway_;
 };
 

@@ -36,8 +36,10 @@ class BatcherTest : public ::testing::Test {
         ASSERT_TRUE(shard.ok());
         transport_->AddShard(r, std::move(*shard));
       }
-    auto engine = StepEngine::Create(*checkpoint_, checkpoint_->layers(), placement_,
-                                     Precision::kBF16, &backend_, transport_.get());
+    membership_ = std::make_unique<Membership>(placement_.num_ranks(), /*up=*/true);
+    auto engine =
+        StepEngine::Create(*checkpoint_, checkpoint_->layers(), placement_, Precision::kBF16,
+                           &backend_, transport_.get(), membership_.get());
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = std::move(*engine);
   }
@@ -71,6 +73,7 @@ class BatcherTest : public ::testing::Test {
   ExpertPlacement placement_;
   CpuBackend shard_backend_{CpuBackendOptions{1, ""}};
   std::unique_ptr<LoopbackTransport> transport_;
+  std::unique_ptr<Membership> membership_;
   std::unique_ptr<StepEngine> engine_;
 };
 

@@ -58,6 +58,15 @@ grpc::Status Forward(moe::v1::MoeService::Stub& stub, int layer, int64_t tokens,
 
 using testing::Shell;
 
+// Resident sizes say nothing under AddressSanitizer (its quarantine keeps freed memory, its
+// shadow adds to the rest): the sanitizer stage checks what calls get, the release build's run
+// also the memory bounds.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kResidentSizesMeaningful = false;
+#else
+constexpr bool kResidentSizesMeaningful = true;
+#endif
+
 // VmRSS of a process, in bytes (0 when unreadable).
 int64_t ResidentBytes(pid_t pid) {
   std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
@@ -159,7 +168,9 @@ TEST(BoundaryTest, OneGigabyteRequestsCostNoMemoryBeforeAuthenticationNorPastThe
                 call.status.error_message().c_str(), absl::ToDoubleSeconds(call.took));
   }
   std::printf("gateway resident: idle %.0f MB, peak %.0f MB\n", idle / 1e6, peak / 1e6);
-  EXPECT_LT(peak - idle, kBound);
+  if (kResidentSizesMeaningful) {
+    EXPECT_LT(peak - idle, kBound);
+  }
 
   // With the token: refused past the message limit without holding the message (gRPC reads a
   // message whole before its length check; the transport quota resets the stream first).
@@ -176,7 +187,9 @@ TEST(BoundaryTest, OneGigabyteRequestsCostNoMemoryBeforeAuthenticationNorPastThe
     EXPECT_LT(call.took, absl::Seconds(5));
   }
   std::printf("gateway resident: idle %.0f MB, peak %.0f MB\n", idle / 1e6, peak / 1e6);
-  EXPECT_LT(peak - idle, kBound);
+  if (kResidentSizesMeaningful) {
+    EXPECT_LT(peak - idle, kBound);
+  }
 
   // The Open Inference Protocol's ModelInfer takes the same path.
   peak = PeakResidentDuring(gateway, [&] {
@@ -186,7 +199,9 @@ TEST(BoundaryTest, OneGigabyteRequestsCostNoMemoryBeforeAuthenticationNorPastThe
   for (const OversizedCall& call : calls)
     EXPECT_EQ(call.status.error_code(), grpc::StatusCode::UNAUTHENTICATED)
         << call.status.error_message();
-  EXPECT_LT(peak - idle, kBound);
+  if (kResidentSizesMeaningful) {
+    EXPECT_LT(peak - idle, kBound);
+  }
 
   // Callers with the token are served, bit for bit, as before.
   InProcess reference(testing::TestCheckpoint("k3-mini"), 1);
@@ -291,7 +306,9 @@ TEST(BoundaryTest, SlowStreamReadersAreBoundedInTotalAndTheirMemoryComesBack) {
       most_buffered / 1048576.0, idle / 1e6, peak / 1e6);
   EXPECT_GT(most_buffered, 24.0 * 1048576) << "the streams did buffer";
   EXPECT_LE(most_buffered, 48.0 * 1048576);
-  EXPECT_LT(peak - idle, int64_t{48 + 150} << 20);
+  if (kResidentSizesMeaningful) {
+    EXPECT_LT(peak - idle, int64_t{48 + 150} << 20);
+  }
 
   // The last stream reads now: every response is right or refused naming the total cap.
   auto& last = streams.back();
@@ -319,13 +336,16 @@ TEST(BoundaryTest, SlowStreamReadersAreBoundedInTotalAndTheirMemoryComesBack) {
   for (int s = 0; s + 1 < kStreams; ++s) contexts[s]->TryCancel();
   for (int s = 0; s + 1 < kStreams; ++s) streams[s]->Finish();
   const absl::Time end = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < end && (buffered() != 0 || ResidentBytes(gateway) - idle > (100 << 20)))
+  while (absl::Now() < end && (buffered() != 0 || (kResidentSizesMeaningful &&
+                                                   ResidentBytes(gateway) - idle > (100 << 20))))
     absl::SleepFor(absl::Milliseconds(200));
   EXPECT_EQ(buffered(), 0);
   const int64_t after = ResidentBytes(gateway);
   std::printf("gateway resident after the streams: %.0f MB (idle %.0f MB)\n", after / 1e6,
               idle / 1e6);
-  EXPECT_LT(after - idle, int64_t{100} << 20);
+  if (kResidentSizesMeaningful) {
+    EXPECT_LT(after - idle, int64_t{100} << 20);
+  }
 }
 
 TEST(BoundaryTest, TheMessageLimitFollowsTheModelNotOneGibibyte) {

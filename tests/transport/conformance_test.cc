@@ -29,9 +29,11 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
 #include "model/moe_layer.h"
+#include "server/control/rank_sessions.h"
 #include "tests/testing/test_checkpoints.h"
 #include "transport/grpc_transport.h"
 #include "transport/loopback_transport.h"
+#include "transport/membership.h"
 #ifdef MOE_CONFORMANCE_NCCL
 #include "kernels/cuda/cuda_backend.h"
 #include "transport/nccl_transport.h"
@@ -152,41 +154,65 @@ class LoopbackHarness final : public Harness {
   LoopbackTransport transport_;
 };
 
-// The gateway's Exchange handler, minus registration: the hello names the rank.
+// The gateway's Exchange handler, minus registration: the hello names the rank; the control
+// plane's RankSessions run the stream (liveness, membership), the transport only moves steps.
 class ExchangeOnly final : public moe::v1::internal::RankControl::Service {
  public:
-  explicit ExchangeOnly(GrpcGatewayTransport* transport) : transport_(transport) {}
+  explicit ExchangeOnly(RankSessions* sessions) : sessions_(sessions) {}
   grpc::Status Exchange(grpc::ServerContext* context, ExchangeServerStream* stream) override {
     moe::v1::internal::RankToGateway hello;
     if (!stream->Read(&hello) || !hello.has_hello())
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "expected a hello");
-    const absl::Status s = transport_->ServeRank(hello.hello().rank(), stream, context);
+    const absl::Status s = sessions_->Serve(hello.hello().rank(), stream, context);
     return s.ok() ? grpc::Status::OK
                   : grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(s.message()));
   }
 
  private:
-  GrpcGatewayTransport* transport_;
+  RankSessions* sessions_;
 };
 
 class GrpcHarness final : public Harness {
  public:
   explicit GrpcHarness(Ranks& ranks)
-      : ranks_(ranks), gateway_(kRanks, &gateway_backend_), service_(&gateway_) {
+      : ranks_(ranks),
+        membership_(kRanks),
+        sessions_(&membership_, LivenessOptions{}),
+        gateway_(kRanks, &gateway_backend_, &sessions_),
+        service_(&sessions_) {
+    // As the gateway wires them (server/gateway/gateway.cc): results to the data plane, and
+    // the membership told to it.
+    sessions_.SetHandlers({nullptr, [this](int rank, moe::v1::internal::StepResult result) {
+                             gateway_.OnResult(rank, std::move(result));
+                           }});
+    membership_.Subscribe([this](int rank, bool up, const std::string& why) {
+      if (up) {
+        gateway_.RankUp(rank);
+      } else {
+        gateway_.RankDown(rank, why);
+      }
+    });
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
     EXPECT_NE(server_, nullptr);
     for (int r = 0; r < kRanks; ++r) rank_threads_.emplace_back([this, r] { RunRank(r); });
+    // Up at the gateway, and each rank's transport in place (a stray result needs it).
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (gateway_.num_up() < kRanks && absl::Now() < deadline)
-      absl::SleepFor(absl::Milliseconds(10));
-    EXPECT_EQ(gateway_.num_up(), kRanks);
+    auto all_in = [this] {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto* t : rank_transports_)
+        if (t == nullptr) return false;
+      return membership_.num_up() == kRanks;
+    };
+    while (!all_in() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_TRUE(all_in());
   }
   ~GrpcHarness() override {
     for (int r = 0; r < kRanks; ++r) KillRank(r);
     for (auto& t : rank_threads_) t.join();
+    sessions_.CloseAll();
     server_->Shutdown(absl::ToChronoTime(absl::Now()));
   }
   GatewayTransport& gateway() override { return gateway_; }
@@ -228,6 +254,8 @@ class GrpcHarness final : public Harness {
 
   Ranks& ranks_;
   CpuBackend gateway_backend_{CpuBackendOptions{1, ""}};
+  Membership membership_;
+  RankSessions sessions_;
   GrpcGatewayTransport gateway_;
   ExchangeOnly service_;
   int port_ = 0;
@@ -510,6 +538,48 @@ TEST_P(TransportContract, ARankGoneMidStepFailsItWithUnavailable) {
     EXPECT_TRUE(after.ok()) << after;
   } else {
     EXPECT_EQ(after.code(), absl::StatusCode::kUnavailable) << after;
+  }
+}
+
+TEST_P(TransportContract, ARankToldDownFailsItsStepsAndOneToldUpIsServedAgain) {
+  // The control plane alone decides who is up (server/control): a hung rank is marked down
+  // when its liveness times out, a returning one up when its exchange opens. The data plane is
+  // told, and must act on it at once: the steps waiting on the rank fail now, not at their
+  // deadline, and once the rank is up again it gets steps as before.
+  const int layer = ranks_.layers().front();
+  ranks_.behavior(2).delay_ms = 400;  // the step is still at rank 2 when it is told down
+  auto step = MakeStep(ranks_, layer, {0, 1, 2}, 51);
+  ASSERT_TRUE(transport().Send(step->dispatch).ok());
+  std::thread control([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    transport().RankDown(2, "sent nothing for 3000 ms (test)");
+  });
+  const absl::Time t0 = absl::Now();
+  const absl::Status s = transport().Collect(
+      step->dispatch, absl::Now() + absl::Seconds(20),
+      [](size_t, ConstPartialView, const RankStepStats&) { return absl::OkStatus(); });
+  control.join();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 2"), absl::string_view::npos) << s;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3)) << "not the 20 s deadline";
+  transport().Abandon(step->dispatch.step_id);
+  ranks_.behavior(2).delay_ms = 0;
+  absl::SleepFor(absl::Milliseconds(500));  // the step's late answer comes, and is dropped
+  // While it is down, a step that needs it fails; one that does not is served (stream
+  // transports) or finds the group gone (NCCL).
+  auto needs_it = MakeStep(ranks_, layer, {0, 2}, 52);
+  EXPECT_EQ(RunStep(transport(), ranks_, *needs_it).code(), absl::StatusCode::kUnavailable);
+  auto without_it = MakeStep(ranks_, layer, {0, 1}, 53);
+  const absl::Status others = RunStep(transport(), ranks_, *without_it);
+  transport().RankUp(2);
+  auto all = MakeStep(ranks_, layer, {0, 1, 2}, 54);
+  const absl::Status back = RunStep(transport(), ranks_, *all);
+  if (harness_->survives_faults()) {
+    EXPECT_TRUE(others.ok()) << others;
+    EXPECT_TRUE(back.ok()) << "a rank told up is served again, bit for bit: " << back;
+  } else {
+    EXPECT_EQ(others.code(), absl::StatusCode::kUnavailable) << "the communicator is aborted";
+    EXPECT_EQ(back.code(), absl::StatusCode::kUnavailable) << "it needs a new group";
   }
 }
 
