@@ -41,6 +41,10 @@ class ClusterFixture(unittest.TestCase):
         return {}
 
     @classmethod
+    def target(cls):
+        return f"127.0.0.1:{cls.port}"
+
+    @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.prepare()
@@ -58,7 +62,7 @@ class ClusterFixture(unittest.TestCase):
         if "ready" not in line:
             cls.cluster.kill()
             raise RuntimeError(f"moe-cluster did not get ready: {line!r}\n" + open(cls.log.name).read())
-        cls.client = moe_serve.MoeClient(f"127.0.0.1:{cls.port}", **cls.client_kwargs())
+        cls.client = moe_serve.MoeClient(cls.target(), **cls.client_kwargs())
 
     @classmethod
     def prepare(cls):
@@ -152,6 +156,41 @@ class PythonClientOverMutualTlsTest(PythonClientServiceTest):
             with self.assertRaises(moe_serve.MoeError) as ctx:
                 client.health(timeout=3)
             self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")
+
+
+class PythonClientOverTwoGatewaysTest(PythonClientServiceTest):
+    """The same tests with two gateways over the ranks, the client given both; plus: a gateway
+    killed costs no call (moe_serve retries UNAVAILABLE on the other) and comes back."""
+    cluster_flags = ["--gateways", "2", "--restart-gateways"]
+
+    @classmethod
+    def target(cls):
+        return f"127.0.0.1:{cls.port},127.0.0.1:{cls.port + 1}"
+
+    def test_z_a_killed_gateway_costs_no_call(self):
+        rng = np.random.default_rng(9)
+        x = rng.standard_normal((4, 640)).astype(np.float32)
+        want = self.moe_forward(1, x)
+        gateway1 = subprocess.run(["pgrep", "-f", f"moe-gateway .*--port {self.port + 1} "],
+                                  capture_output=True, text=True).stdout.split()
+        self.assertEqual(len(gateway1), 1, gateway1)
+        os.kill(int(gateway1[0]), signal.SIGKILL)
+        for _ in range(40):  # through the kill and the restart (--restart-gateways)
+            y, _ = self.client.forward(1, x, output_dtype="fp32")
+            np.testing.assert_array_equal(y, want)
+            time.sleep(0.05)
+        deadline = time.time() + 30
+        with moe_serve.MoeClient(f"127.0.0.1:{self.port + 1}") as again:
+            while time.time() < deadline:
+                try:
+                    if again.health() == "SERVING":
+                        break
+                except moe_serve.MoeError:
+                    pass
+                time.sleep(0.2)
+            self.assertEqual(again.health(), "SERVING", "the restarted gateway serves again")
+            y, _ = again.forward(1, x, output_dtype="fp32")
+            np.testing.assert_array_equal(y, want)
 
 
 if __name__ == "__main__":
