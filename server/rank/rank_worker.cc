@@ -302,6 +302,18 @@ absl::Status RankWorker::Session::Serve(const moe::v1::internal::RegisterRespons
   }
   // NCCL carries the steps; the exchange stream stays open as the liveness channel (the
   // gateway sees this rank die when it breaks, and the rank stops when the gateway goes).
+  // One gateway at a time: waiting in two communicators at once can deadlock the device (NCCL's
+  // kernels of different communicators need not run concurrently), so another gateway stands by
+  // (FAILED_PRECONDITION: its session retries) until this one goes.
+  int none = -1;
+  if (!worker_->nccl_session_.compare_exchange_strong(none, index_) && none != index_)
+    return absl::FailedPreconditionError(
+        "this rank serves another gateway over NCCL: under NCCL a rank serves one gateway at a "
+        "time, the others stand by (docs/ARCHITECTURE.md, \"Several gateways\")");
+  struct ReleaseNccl {
+    std::atomic<int>* owner;
+    ~ReleaseNccl() { owner->store(-1); }
+  } release_nccl{&worker_->nccl_session_};
   ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
   NcclRankSetup setup;
   setup.rank = registration.nccl_rank();

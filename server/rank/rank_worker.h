@@ -177,6 +177,8 @@ class RankWorker {
   std::condition_variable sessions_cv_;                 // Stop() wakes the directory loop
   std::map<int, std::shared_ptr<Session>> sessions_;  // guarded by sessions_mu_
   std::atomic<int> rank_{-1};
+  // The session serving its gateway over NCCL, -1 when none: one at a time (rank_worker.cc).
+  std::atomic<int> nccl_session_{-1};
   std::atomic<int64_t> weight_bytes_{0};
   std::atomic<bool> stop_{false};
   RankStepObserver* observer_ = nullptr;

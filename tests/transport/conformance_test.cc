@@ -613,6 +613,84 @@ TEST(GrpcTransportTest, ResultsForStepsNotAwaitedAreDroppedAndCounted) {
 #endif
 
 #ifdef MOE_CONFORMANCE_NCCL
+// Several gateways over one rank pool under NCCL: one communicator per gateway, each with every
+// rank. A rank waiting in two communicators at once can deadlock (NCCL's kernels of different
+// communicators on one device need not run concurrently; the emulator, which runs a device's
+// streams in order, deadlocked within a few steps), so under NCCL a rank serves one gateway at a
+// time (RankWorker) and the others stand by: here gateway A serves, goes, and gateway B's
+// communicator forms with the same ranks and serves bit for bit; a rank that dies, told down by
+// the control plane, fails B's steps that need it at once.
+TEST(NcclTwoGatewaysTest, AStandbyGatewayTakesTheRanksOver) {
+  setenv("MOE_EMU_DEVICES", "4", 1);  // the gateway's device 0 and one per rank
+  Ranks ranks;
+  for (int g = 0; g < 2; ++g) {
+    auto id = NewNcclUniqueId();
+    ASSERT_TRUE(id.ok()) << id.status();
+    std::mutex mu;
+    NcclRankTransport* members[kRanks] = {};  // guarded by mu
+    std::vector<std::thread> rank_threads;
+    for (int r = 0; r < kRanks; ++r)
+      rank_threads.emplace_back([&, r] {
+        CudaBackendOptions device;
+        device.device = 1 + r;
+        auto backend = CudaBackend::Create(device);
+        ASSERT_TRUE(backend.ok()) << backend.status();
+        NcclRankOptions options;
+        options.rank = r;
+        options.num_ranks = kRanks;
+        options.unique_id = *id;
+        options.backend = backend->get();
+        options.init_timeout = absl::Seconds(30);
+        auto created = NcclRankTransport::Create(options);
+        ASSERT_TRUE(created.ok()) << created.status();
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          members[r] = created->get();
+        }
+        ranks.Serve(r, **created);
+        std::lock_guard<std::mutex> lock(mu);
+        members[r] = nullptr;
+      });
+    auto backend = CudaBackend::Create(CudaBackendOptions{});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    NcclGatewayOptions options;
+    options.num_ranks = kRanks;
+    options.unique_id = *id;
+    options.backend = backend->get();
+    options.init_timeout = absl::Seconds(30);
+    options.drain_timeout = absl::Seconds(5);
+    auto gateway = NcclGatewayTransport::Create(options);
+    ASSERT_TRUE(gateway.ok()) << gateway.status();
+    for (int i = 0; i < 4; ++i) {
+      const int layer = ranks.layers()[i % ranks.layers().size()];
+      auto step = MakeStep(ranks, layer, {0, 1, 2}, static_cast<uint32_t>(900 + 10 * g + i));
+      EXPECT_TRUE(RunStep(**gateway, ranks, *step).ok()) << "gateway " << g << " step " << i;
+    }
+    if (g == 1) {
+      // Rank 2 dies under the second gateway: it leaves the communicator, and the control plane
+      // tells the gateway, whose step waiting on it fails at once.
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (members[2] != nullptr) members[2]->Cancel();
+      }
+      (*gateway)->RankDown(2, "is gone (test)");
+      auto step = MakeStep(ranks, ranks.layers().front(), {0, 2}, 950);
+      const absl::Time t0 = absl::Now();
+      EXPECT_EQ(RunStep(**gateway, ranks, *step, absl::Seconds(20)).code(),
+                absl::StatusCode::kUnavailable);
+      EXPECT_LT(absl::Now() - t0, absl::Seconds(3)) << "not the deadline";
+    }
+    // The gateway goes (shut down here; killed, its ranks' exchange streams end the same way).
+    (void)(*gateway)->Shutdown();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto* member : members)
+        if (member != nullptr) member->Cancel();
+    }
+    for (auto& t : rank_threads) t.join();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, TransportContract, ::testing::Values("nccl"),
                          [](const auto& param_info) { return param_info.param; });
 #else
