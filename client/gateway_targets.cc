@@ -34,6 +34,13 @@ absl::StatusOr<std::string> GatewayChannelTarget(absl::string_view targets) {
   return absl::StrCat("ipv6:", absl::StrJoin(v6, ","));
 }
 
+std::string GatewayAuthority(absl::string_view targets) {
+  targets = absl::StripAsciiWhitespace(targets);
+  const size_t comma = targets.find(',');
+  if (comma == absl::string_view::npos) return "";
+  return std::string(absl::StripAsciiWhitespace(targets.substr(0, comma)));
+}
+
 std::string GatewayServiceConfig(bool health_checked, int attempts) {
   return absl::StrCat(
       R"({"loadBalancingConfig": [{"round_robin": {}}],)",

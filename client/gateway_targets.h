@@ -21,6 +21,12 @@ namespace moe {
 // or a name that does not resolve; a list mixing IPv4 and IPv6 gateways uses the IPv4 ones.
 absl::StatusOr<std::string> GatewayChannelTarget(absl::string_view targets);
 
+// The authority (":authority", and the name TLS verifies unless a server name is given) of a
+// channel to `targets`: empty for one entry (gRPC takes it from the target), the first entry for
+// a list, whose "ipv4:" target would otherwise lend it the whole address list. Gateways behind
+// one list therefore share a certificate that names the first entry's host.
+std::string GatewayAuthority(absl::string_view targets);
+
 // round_robin over the gateways (`health_checked`: only those whose health service
 // "moe.v1.MoeService" says SERVING: they take requests, not draining, not just restarted), and
 // UNAVAILABLE retried up to `attempts` times in all (10 ms backoff, 2x, at most 100 ms) on every

@@ -118,6 +118,8 @@ absl::StatusOr<std::shared_ptr<MoeClient::Channel>> MoeClient::MakeChannel(
               static_cast<int>(std::min<int64_t>(backoff_ms, 1000)));
   AddTlsChannelArgs(options.tls, &args);
   ASSIGN_OR_RETURN(std::string channel_target, GatewayChannelTarget(target));
+  if (std::string authority = GatewayAuthority(target); !authority.empty())
+    args.SetString(GRPC_ARG_DEFAULT_AUTHORITY, authority);
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    ChannelCredentials(options.tls));
   auto made = std::make_shared<Channel>();

@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/gateway_targets.h"
 #include "core/numerics.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
@@ -175,6 +176,18 @@ TEST_F(MoeClientTest, ModelInfo) {
   ASSERT_EQ(info->layers_size(), 3);
   EXPECT_EQ(info->layers(2), 3);
   EXPECT_EQ(info->ranks_size(), 2);
+}
+
+TEST(GatewayTargetsTest, AListIsResolvedHereAndNamedByItsFirstGateway) {
+  EXPECT_EQ(*GatewayChannelTarget(" gw.example:50051 "), "gw.example:50051");  // gRPC's DNS
+  EXPECT_EQ(*GatewayChannelTarget("127.0.0.1:7001, 127.0.0.1:7002"), "ipv4:127.0.0.1:7001,127.0.0.1:7002");
+  EXPECT_EQ(GatewayChannelTarget("127.0.0.1:7001,,127.0.0.1:7002").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GatewayChannelTarget("").status().code(), absl::StatusCode::kInvalidArgument);
+  // The authority TLS verifies: gRPC's own for one target, the first gateway for a list (the
+  // "ipv4:" target would lend it the whole list, which no certificate names).
+  EXPECT_EQ(GatewayAuthority("gw.example:50051"), "");
+  EXPECT_EQ(GatewayAuthority(" localhost:7001 ,127.0.0.1:7002"), "localhost:7001");
 }
 
 TEST(MessageLimitTest, FollowsTheModelWithAFloor) {

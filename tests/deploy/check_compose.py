@@ -4,8 +4,10 @@ resolves them (`docker-compose config`, offline). compose.cpu.yaml is also run f
 compose_cpu_test.py; compose.yaml cannot run here (no GPU, no Docker), so this is its check:
 
   - every service of ours runs an image binary with flags its --help knows;
-  - the gateway waits for as many ranks (--ranks) as there are rank services, which claim
-    --rank 0..N-1 once each and reach the gateway at service:port where it listens;
+  - one or more gateway services run one command (same model, ranks, transport, credentials);
+    each waits for as many ranks (--ranks) as there are rank services, which claim --rank 0..N-1
+    once each and whose --gateway (service names, or the alias the gateways share) reaches every
+    gateway on its control port; no two services publish the same host port;
   - GPU file: the gateway and each rank reserve exactly one distinct GPU (driver nvidia,
     capabilities [gpu]); ipc: host and a shm_size; the documented NCCL_* knobs are set;
     --transport defaults to nccl and follows MOE_TRANSPORT;
@@ -115,13 +117,33 @@ class ComposeFile:
     def of(self, binary):
         return {n: s for n, s in self.services.items() if s[1] == binary}
 
+    def aliases(self, name):
+        """The names service `name` answers to on the compose network: its own and its aliases."""
+        spec = self.services[name][0] if name in self.services else self.external.get(name, {})
+        networks = spec.get("networks") or {}
+        names = {name}
+        for net in (networks.values() if isinstance(networks, dict) else []):
+            names |= set((net or {}).get("aliases") or [])
+        return names
+
+    def reached(self, host):
+        """The services a client reaches at `host` (a service name or a shared alias)."""
+        return {n for n in list(self.services) + list(self.external) if host in self.aliases(n)}
+
     def check(self, gpu):
         f, where = self.f, self.path.name
         gateways = self.of("moe-gateway")
         ranks = self.of("moe-rank")
-        if not f.check(len(gateways) == 1, f"{where}: {len(gateways)} gateway services, expected 1"):
+        if not f.check(len(gateways) >= 1, f"{where}: no gateway service"):
             return
-        (gw_name, (gw_spec, _, gw_values)), = gateways.items()
+        gw_names = sorted(gateways)
+        gw_name = gw_names[0]
+        gw_values = gateways[gw_name][2]
+        # Gateways over one rank pool run one command: the same model, ranks, transport and
+        # credentials; they differ only in their container (and published ports).
+        for other in gw_names[1:]:
+            f.check(gateways[other][2] == gw_values, f"{where}: gateway services {gw_name} and {other} run "
+                    "different commands (gateways sharing ranks must serve the same model the same way)")
         gw = dc.gateway_security(self.bindir, gw_values)
         gw_port = gw["control_port"]
         want = int(gw_values.get("ranks", "1"))
@@ -129,11 +151,17 @@ class ComposeFile:
         claimed = sorted(int(v.get("rank", "-1")) for _, _, v in ranks.values())
         f.check(claimed == list(range(want)), f"{where}: ranks claim {claimed}, expected 0..{want - 1}")
         checkpoint = gw_values.get("checkpoint", "")
+        published = {}
         for name, (spec, binary, values) in self.services.items():
             sw = f"{where} service {name}"
             metrics_port = dc.flag_value(self.bindir, binary, values, "metrics-port")
             for entry in spec.get("ports", []):
-                host_ip, _, target = dc.parse_port_binding(entry)
+                host_ip, host_port, target = dc.parse_port_binding(entry)
+                if host_port:
+                    key = (host_ip or "0.0.0.0", host_port)
+                    f.check(key not in published, f"{sw}: publishes host port {host_port}, as does "
+                            f"{published.get(key)}")
+                    published[key] = name
                 f.check(target in self.listen_ports(name), f"{sw}: publishes {target}, listens on "
                         f"{sorted(self.listen_ports(name))}")
                 if binary == "moe-gateway":
@@ -143,15 +171,23 @@ class ComposeFile:
                     f.check(host_ip in ("127.0.0.1", "::1", "localhost"), f"{sw}: publishes /metrics ({target}) "
                             f"on {host_ip or 'every interface'}; publish it on 127.0.0.1 only")
             if binary == "moe-rank":
-                m = re.fullmatch(r"([A-Za-z0-9_.-]+):([0-9]+)", values.get("gateway", ""))
-                f.check(m is not None and m.group(1) == gw_name and int(m.group(2)) == gw_port,
-                        f"{sw}: --gateway {values.get('gateway')}, the gateway's control port is "
-                        f"{gw_name}:{gw_port}")
+                # Every gateway must get every rank: the rank's --gateway entries (service names
+                # or an alias they share) reach each gateway on its control port.
+                reached = set()
+                for entry in values.get("gateway", "").split(","):
+                    m = re.fullmatch(r"([A-Za-z0-9_.-]+):([0-9]+)", entry)
+                    if f.check(m is not None and int(m.group(2)) == gw_port and self.reached(m.group(1)),
+                               f"{sw}: --gateway entry {entry!r} is no gateway service (or alias) on its "
+                               f"control port {gw_port}"):
+                        reached |= self.reached(m.group(1))
+                f.check(reached == set(gw_names), f"{sw}: --gateway {values.get('gateway')} reaches "
+                        f"{sorted(reached)}, the gateways are {gw_names}")
                 for problem in dc.rank_auth_problems(gw, values, "the rank"):
                     f.add(f"{sw}: {problem}")
-                dep = (spec.get("depends_on") or {}).get(gw_name) or {}
-                f.check(dep.get("condition") == "service_healthy",
-                        f"{sw}: should depend on {gw_name} with condition service_healthy")
+                deps = spec.get("depends_on") or {}
+                f.check(any(g in deps for g in gw_names) and all(
+                    (deps.get(g) or {}).get("condition") == "service_healthy" for g in gw_names if g in deps),
+                        f"{sw}: should depend on the gateways with condition service_healthy")
                 f.check((spec.get("healthcheck") or {}).get("test") not in (None, ["NONE"]),
                         f"{sw}: no healthcheck (the image's is the gateway's)")
             if binary in ("moe-gateway", "moe-rank"):
@@ -181,7 +217,8 @@ class ComposeFile:
                     gpus.setdefault(str(devices[0]["device_ids"][0]), []).append(name)
             for gpu_id, names in gpus.items():
                 f.check(len(names) == 1, f"{where}: GPU {gpu_id} reserved by {names}")
-        self.check_secrets(gw_name, gw)
+        for name in gw_names:
+            self.check_secrets(name, gw)
         self.check_prometheus()
         return gw_name
 
@@ -265,14 +302,15 @@ class ComposeFile:
                     ok = subprocess.run(["openssl", "verify", "-CAfile", ca, cert], capture_output=True, text=True)
                     f.check(ok.returncode == 0, f"{where} service {name}: the {what}'s --tls-ca did not sign the "
                             f"gateway's certificate: {ok.stdout.strip()} {ok.stderr.strip()}")
-                    address = v.get("gateway") if b == "moe-rank" else v.get("target")
-                    host = v.get("tls-server-name") or (address or "").rsplit(":", 1)[0]
-                    check = "-checkip" if re.fullmatch(r"[0-9.]+|[0-9a-fA-F:]+", host) else "-checkhost"
-                    named = subprocess.run(["openssl", "x509", "-in", cert, "-noout", check, host],
-                                           capture_output=True, text=True)
-                    f.check(named.returncode == 0 and "does match" in named.stdout,
-                            f"{where} service {name}: the {what} verifies the name {host}, which the gateway "
-                            f"certificate of scripts/make-certs.sh does not carry")
+                    addresses = v.get("gateway") if b == "moe-rank" else v.get("target")
+                    for address in (addresses or "").split(","):
+                        host = v.get("tls-server-name") or address.rsplit(":", 1)[0]
+                        check = "-checkip" if re.fullmatch(r"[0-9.]+|[0-9a-fA-F:]+", host) else "-checkhost"
+                        named = subprocess.run(["openssl", "x509", "-in", cert, "-noout", check, host],
+                                               capture_output=True, text=True)
+                        f.check(named.returncode == 0 and "does match" in named.stdout,
+                                f"{where} service {name}: the {what} verifies the name {host}, which the gateway "
+                                f"certificate of scripts/make-certs.sh does not carry")
 
     def check_prometheus(self):
         f, where = self.f, self.path.name
@@ -318,12 +356,12 @@ def main():
                     f"compose.cpu.yaml {c} (only the CPU file's run in compose_cpu_test.py)")
         # MOE_TRANSPORT switches the GPU file's transport.
         grpc = ComposeFile(source / "deploy" / "compose.yaml", bindir, f, env={"MOE_TRANSPORT": "grpc"}, source=source)
-        (_, (_, _, values)), = grpc.of("moe-gateway").items()
-        f.check(values.get("transport") == "grpc", "MOE_TRANSPORT=grpc does not reach the gateway's --transport")
+        f.check(all(values.get("transport") == "grpc" for _, _, values in grpc.of("moe-gateway").values()),
+                "MOE_TRANSPORT=grpc does not reach the gateway's --transport")
     except dc.CheckFailed as e:
         f.add(str(e))
-    f.finish(f"compose.yaml: gateway + {len(gpu.of('moe-rank'))} ranks on distinct GPUs; compose.cpu.yaml: gateway + "
-             f"{len(cpu.of('moe-rank'))} ranks; flags, ranks, mounts, ports, control port, credentials, secrets, TLS, health checks and scrape "
+    f.finish(f"compose.yaml: {len(gpu.of('moe-gateway'))} gateway(s) + {len(gpu.of('moe-rank'))} ranks on distinct "
+             f"GPUs; compose.cpu.yaml: {len(cpu.of('moe-gateway'))} gateway(s) + {len(cpu.of('moe-rank'))} ranks; flags, ranks, mounts, ports, control port, credentials, secrets, TLS, health checks and scrape "
              "targets agree")
 
 

@@ -202,7 +202,15 @@ def main():
                     f.add(f"code block: {e}")
             words = shlex.split(line) if line else []
             if "docker" in words[:1] and "compose" in words and "-f" in words:
-                f.check((source / words[words.index("-f") + 1]).is_file(), f"code block: no {line}")
+                compose_file = source / words[words.index("-f") + 1]
+                if f.check(compose_file.is_file(), f"code block: no {line}"):
+                    # `exec SERVICE ...` / `run --rm SERVICE ...` name a service of that file.
+                    verb = next((w for w in words if w in ("exec", "run")), None)
+                    if verb:
+                        rest = [w for w in words[words.index(verb) + 1:] if not w.startswith("-")]
+                        services = dc.compose_config(compose_file)["services"]
+                        f.check(bool(rest) and rest[0] in services, f"code block: {line}: "
+                                f"{rest[0] if rest else 'no service'} is not a service of {compose_file.name}")
             if words[:2] == ["docker", "build"]:
                 f.check((source / words[words.index("-f") + 1]).is_file(), f"code block: no Dockerfile in {line}")
     for snippet in re.findall(r"`([^`\n]+)`", text):
@@ -227,9 +235,9 @@ def main():
     # The compose table against compose.yaml.
     gpu = dc.compose_config(source / "deploy" / "compose.yaml")["services"]
     rows = {code(r[0])[0]: r for r in table_rows(text, "service | GPU") if code(r[0])}
-    gw_cmd = " ".join(dc.as_argv(gpu["gateway"]["command"]))
-    f.check(rows.get("gateway") and gw_cmd in code(rows["gateway"][2]),
-            f"compose table: gateway command should read `{gw_cmd}`")
+    gw_cmd = " ".join(dc.as_argv(gpu["gateway-0"]["command"]))
+    f.check(rows.get("gateway-0") and gw_cmd in code(rows["gateway-0"][2]),
+            f"compose table: gateway-0 command should read `{gw_cmd}`")
     ranks = sorted(n for n in gpu if n.startswith("rank-"))
     rank_row = next((r for k, r in rows.items() if k.startswith("rank-0")), None)
     if f.check(rank_row is not None, "compose table: no rank-0 .. row"):
@@ -247,7 +255,7 @@ def main():
     # NCCL table against compose.yaml and the ConfigMap.
     nccl_rows = {code(r[0])[0]: r for r in table_rows(text, "variable | compose") if code(r[0])}
     configmap = next(d for d in yaml.safe_load_all((source / "deploy" / "k8s" / "configmap.yaml").read_text()) if d)
-    env = gpu["gateway"].get("environment") or {}
+    env = gpu["gateway-0"].get("environment") or {}
     for var in sorted(set(k for k in env if k.startswith(("NCCL_", "CUDA_")))
                       | set(k for k in configmap["data"] if k.startswith(("NCCL_", "CUDA_")))):
         row = nccl_rows.get(var)

@@ -16,16 +16,22 @@ service overrides it) + `command`, exactly as written -- with the binaries of th
     service_completed_successfully waits for the one-shot to exit 0, service_healthy runs the
     dependency's own healthcheck (mapped the same way) until it passes.
 
-Then: the gateway turns SERVING; every rank's healthcheck and the image's HEALTHCHECK pass (the
+An alias that several services share on the compose network (the gateways' `gateway`) maps to
+the list of all of them, as the name resolves in compose.
+
+Then: every gateway turns SERVING; every rank's healthcheck and the image's HEALTHCHECK pass (the
 latter with MOE_HEALTH_TLS_CA when the gateway serves TLS, and fails without it); clients connect
-with the TLS flags of the gateway's own healthcheck; the trust boundaries hold on the running
+with the TLS flags of the gateway's own healthcheck, through the gateways' shared name and to
+each gateway alone (the same bits); the trust boundaries hold on the running
 system: the public port refuses plaintext, and a rank with the compose file's own command but
 without its cluster token (or with a wrong one) is refused on the control port
 (moe_auth_failures_total{plane="control"} counts it) while the real ranks stay up;
 `moe-client forward` on random inputs equals `moe-forward` on the same checkpoint (bit-identical,
 or relative L2 <= 1e-5); every Prometheus target of the mounted prometheus.yml is a service port
 that serves moe_* metrics; `promtool check config` passes on the mounted config; Grafana's
-provisioning points at mounted files. Finally every process gets SIGTERM in reverse start order
+provisioning points at mounted files. With several gateways, one is killed (SIGKILL): every call
+through the shared name is still answered, bit-identically, and the gateway restarted as compose
+would restart it gets every rank back and serves again. Finally every process gets SIGTERM in reverse start order
 and must exit 0 within its stop_grace_period, as `docker compose down` would require.
 
 Prometheus and Grafana are images, not our binaries: their containers are not run.
@@ -208,20 +214,37 @@ class ComposeRun:
                 return local + value[len(target):]
         return value
 
+    def network_names(self, name):
+        """The names service `name` answers to on the compose network: its own and its aliases."""
+        names = {name}
+        networks = self.config["services"][name].get("networks") or {}
+        for net in (networks.values() if isinstance(networks, dict) else []):
+            names |= set((net or {}).get("aliases") or [])
+        return names
+
     def map_address(self, svc, value):
-        """service:port, 127.0.0.1:port, localhost:port -> 127.0.0.1:<local port>."""
+        """service:port, 127.0.0.1:port, localhost:port -> 127.0.0.1:<local port>; an alias that
+        several services share (the gateways' `gateway`) -> the list of all of them, which is
+        what the name resolves to in compose (every flag that takes a gateway address takes a
+        list). A comma-separated list maps entry by entry."""
+        if "," in value:
+            return ",".join(self.map_address(svc, v) for v in value.split(","))
         m = re.fullmatch(r"([A-Za-z0-9_.-]+):([0-9]+)", value)
         if not m:
             return value
         host, port = m.group(1), int(m.group(2))
-        owner = svc if host in (LOCAL, "localhost", "0.0.0.0") else self.services.get(host)
-        if owner is None:
-            if host in self.external or host in self.config["services"]:
+        if host in (LOCAL, "localhost", "0.0.0.0"):
+            owners = [svc]
+        else:
+            owners = [s for n, s in self.services.items() if host in self.network_names(n)]
+        if not owners:
+            if host in self.external or any(host in self.network_names(n) for n in self.config["services"]):
                 return value
             fail(f"service {svc.name}: '{value}' names no service of this compose file")
-        if port not in owner.listen_ports:
-            fail(f"service {svc.name}: '{value}' but {owner.name} listens on {sorted(owner.listen_ports)}")
-        return f"{LOCAL}:{owner.listen_ports[port]}"
+        for owner in owners:
+            if port not in owner.listen_ports:
+                fail(f"service {svc.name}: '{value}' but {owner.name} listens on {sorted(owner.listen_ports)}")
+        return ",".join(f"{LOCAL}:{owner.listen_ports[port]}" for owner in owners)
 
     def map_arg(self, svc, value, index, argv):
         previous = argv[index - 1] if index > 0 else ""
@@ -274,8 +297,8 @@ class ComposeRun:
             return {d: {"condition": "service_started"} for d in deps}
         return deps
 
-    def start(self, svc):
-        svc.log_path = self.work / f"{svc.name}.log"
+    def start(self, svc, log_name=None):
+        svc.log_path = self.work / f"{log_name or svc.name}.log"
         log(f"start {svc.name}: {' '.join(svc.local_argv)}")
         env = dict(self.env)
         for key, value in (svc.spec.get("environment") or {}).items():
@@ -400,11 +423,22 @@ class ComposeRun:
 
     # ---- checks of the running system ------------------------------------------------------------
 
-    def gateway(self):
+    def gateways(self):
         gateways = [s for s in self.services.values() if s.binary == "moe-gateway"]
-        if len(gateways) != 1:
-            fail(f"expected one moe-gateway service, found {len(gateways)}")
-        return gateways[0]
+        if not gateways:
+            fail("no moe-gateway service")
+        return gateways
+
+    def gateway(self):
+        """The first gateway: the one whose checkpoint and client flags stand for all (the
+        static check holds them to one command)."""
+        return self.gateways()[0]
+
+    def public_target(self, gw):
+        return f"{LOCAL}:{gw.listen_ports[int(dc.flag_value(self.bindir, 'moe-gateway', gw.values, 'port'))]}"
+
+    def metrics_address(self, svc):
+        return f"{LOCAL}:{svc.listen_ports[int(svc.values['metrics-port'])]}"
 
     def gateway_client_tls(self, gw):
         """The TLS flags (mapped to this host) of the moe-client in the gateway's own healthcheck:
@@ -431,17 +465,23 @@ class ComposeRun:
             fail(f"moe-client {' '.join(args)} exited {out.returncode}: {out.stderr.strip()}")
         return out.stdout
 
-    def check_ready(self):
-        gw = self.gateway()
-        target = f"{LOCAL}:{gw.listen_ports[int(dc.flag_value(self.bindir, 'moe-gateway', gw.values, 'port'))]}"
-        self.target = target
-        self.client_tls = self.gateway_client_tls(gw)
-        out = subprocess.run([str(self.bindir / "moe-client"), "health", "--target", target, "--wait-s", "180"]
-                             + self.client_tls, capture_output=True, text=True, env=self.env, timeout=240)
+    def wait_serving(self, gw, wait_s=180):
+        target = self.public_target(gw)
+        out = subprocess.run([str(self.bindir / "moe-client"), "health", "--target", target, "--wait-s", str(wait_s)]
+                             + self.client_tls, capture_output=True, text=True, env=self.env, timeout=wait_s + 60)
         self.assert_running()
         if out.returncode != 0:
-            fail(f"gateway not SERVING: {out.stderr.strip()}\n{self.tail(gw)}")
-        log(f"gateway SERVING on {target}")
+            fail(f"{gw.name} not SERVING: {out.stderr.strip()}\n{self.tail(gw)}")
+        log(f"{gw.name} SERVING on {target}")
+
+    def check_ready(self):
+        gw = self.gateway()
+        self.client_tls = self.gateway_client_tls(gw)
+        # What a client in the compose network reaches at the gateways' shared name: all of them.
+        self.target = ",".join(self.public_target(g) for g in self.gateways())
+        for g in self.gateways():
+            self.wait_serving(g)
+        target = self.public_target(gw)
         ranks = [s for s in self.services.values() if s.binary == "moe-rank"]
         want = int(dc.flag_value(self.bindir, "moe-gateway", gw.values, "ranks"))
         if len(ranks) != want:
@@ -503,21 +543,42 @@ class ComposeRun:
                 fail(f"layer {layer}, {tokens} tokens: service vs moe-forward relative L2 {rel:.3e} > 1e-5")
             log(f"forward layer {layer}, {tokens} tokens: {'bit-identical' if identical else f'rel L2 {rel:.2e}'}"
                 " to moe-forward")
+            if len(self.gateways()) > 1 and tokens == cases[0][1]:
+                for g in self.gateways():
+                    alone = self.work / f"y-{layer}-{tokens}-{g.name}.npy"
+                    self.client("forward", "--target", self.public_target(g), "--layer", str(layer), "--input",
+                                str(x_path), "--output", str(alone))
+                    if not np.array_equal(np.load(alone).view(np.uint32), y.view(np.uint32)):
+                        fail(f"layer {layer}: {g.name} alone answers differently from the gateways together")
+                log(f"forward layer {layer}, {tokens} tokens: each of {', '.join(g.name for g in self.gateways())} "
+                    "alone answers bit-identically")
         self.forward_layers = {c[0] for c in cases}
+        self.reference_case = cases[0]
 
     def control_refusals(self):
-        gw = self.gateway()
-        text = self.scrape(f"{LOCAL}:{gw.listen_ports[int(gw.values['metrics-port'])]}")
-        return sum(v for l, v in self.samples(text, "moe_auth_failures_total") if l.get("plane") == "control")
+        """Control-plane refusals of all gateways (a rank tries every gateway it is given)."""
+        total = 0
+        for gw in self.gateways():
+            text = self.scrape(self.metrics_address(gw))
+            total += sum(v for l, v in self.samples(text, "moe_auth_failures_total") if l.get("plane") == "control")
+        return total
+
+    def check_ranks_up(self, gw, ranks, why):
+        text = self.scrape(self.metrics_address(gw))
+        up = {l["rank"]: v for l, v in self.samples(text, "moe_rank_up")}
+        if len(up) != len(ranks) or any(v != 1 for v in up.values()):
+            fail(f"{why}, {gw.name}'s moe_rank_up is {up}")
+        return up
 
     def check_trust_boundaries(self):
         """On the running system: the public port refuses plaintext, and the control port refuses a
         rank that runs the file's own rank command without its cluster token or with a wrong one."""
-        out = subprocess.run([str(self.bindir / "moe-client"), "health", "--target", self.target], capture_output=True,
-                             text=True, env=self.env, timeout=30)
-        gw = self.gateway()
-        if gw.values.get("tls-cert") and out.returncode == 0:
-            fail(f"the gateway has --tls-cert, yet {self.target} answers a plaintext health check")
+        for gw in self.gateways():
+            target = self.public_target(gw)
+            out = subprocess.run([str(self.bindir / "moe-client"), "health", "--target", target],
+                                 capture_output=True, text=True, env=self.env, timeout=30)
+            if gw.values.get("tls-cert") and out.returncode == 0:
+                fail(f"{gw.name} has --tls-cert, yet {target} answers a plaintext health check")
         ranks = [s for s in self.services.values() if s.binary == "moe-rank"]
         rank = ranks[0]
         wrong = self.work / "wrong-cluster-token"
@@ -553,11 +614,44 @@ class ComposeRun:
                 f"moe_auth_failures_total{{plane=\"control\"}} {before:.0f} -> {after:.0f})")
         # The real ranks are still the gateway's (SERVING: all of them up; a loaded host may have
         # made one miss heartbeats for a moment, so allow it to come back).
-        self.client("health", "--target", self.target, "--wait-s", "60")
-        text = self.scrape(f"{LOCAL}:{gw.listen_ports[int(gw.values['metrics-port'])]}")
-        up = {l["rank"]: v for l, v in self.samples(text, "moe_rank_up")}
-        if len(up) != len(ranks) or any(v != 1 for v in up.values()):
-            fail(f"after the refused ranks, moe_rank_up is {up}")
+        for gw in self.gateways():
+            self.client("health", "--target", self.public_target(gw), "--wait-s", "60")
+            self.check_ranks_up(gw, ranks, "after the refused ranks")
+
+    def check_gateway_failover(self, calls=12):
+        """`docker kill` of one gateway costs no call made through the gateways' shared name: each
+        is answered by another, bit-identically; the killed gateway, restarted as compose would
+        (restart: unless-stopped), gets every rank back and serves again."""
+        gateways = self.gateways()
+        if len(gateways) < 2:
+            log("one gateway: no failover to check")
+            return
+        victim = gateways[0]
+        layer, tokens = self.reference_case
+        x_path = self.work / f"x-{layer}-{tokens}.npy"
+        want = np.load(self.work / f"y-{layer}-{tokens}.npy")
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        victim.process.wait()
+        for i in range(calls):
+            y_path = self.work / f"y-failover-{i}.npy"
+            self.client("forward", "--target", self.target, "--layer", str(layer), "--input", str(x_path),
+                        "--output", str(y_path))
+            if not np.array_equal(np.load(y_path).view(np.uint32), want.view(np.uint32)):
+                fail(f"with {victim.name} killed, call {i} through {self.target} answered differently")
+        log(f"{victim.name} killed: {calls} of {calls} calls through the shared name answered, bit-identically")
+        self.started.remove(victim)
+        begun = time.time()
+        self.start(victim, f"{victim.name}-restarted")
+        self.wait_serving(victim)
+        serving_s = time.time() - begun
+        self.check_ranks_up(victim, [s for s in self.services.values() if s.binary == "moe-rank"],
+                            f"restarted {victim.name}")
+        y_path = self.work / "y-restarted.npy"
+        self.client("forward", "--target", self.public_target(victim), "--layer", str(layer), "--input",
+                    str(x_path), "--output", str(y_path))
+        if not np.array_equal(np.load(y_path).view(np.uint32), want.view(np.uint32)):
+            fail(f"restarted {victim.name} answers differently")
+        log(f"{victim.name} restarted: SERVING with every rank after {serving_s:.1f} s, answers bit-identically")
 
     def scrape(self, address):
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
@@ -621,14 +715,14 @@ class ComposeRun:
                 fail(f"{svc.name} serves /metrics on {metrics_port}, but no Prometheus job scrapes it")
         log(f"Prometheus targets: {', '.join(f'{h}:{p}' for h, p in sorted(scraped))}")
 
-        gw = self.gateway()
-        text = self.scrape(f"{LOCAL}:{gw.listen_ports[int(gw.values['metrics-port'])]}")
-        ok = sum(v for l, v in self.samples(text, "moe_requests_total") if l.get("code") == "OK")
+        ranks = [s for s in self.services.values() if s.binary == "moe-rank"]
+        ok = 0
+        for gw in self.gateways():
+            text = self.scrape(self.metrics_address(gw))
+            ok += sum(v for l, v in self.samples(text, "moe_requests_total") if l.get("code") == "OK")
+            up = self.check_ranks_up(gw, ranks, "after the forwards")
         if ok < 3:
-            fail(f"gateway moe_requests_total{{code=\"OK\"}} is {ok} after 3 forwards")
-        up = {l["rank"]: v for l, v in self.samples(text, "moe_rank_up")}
-        if not up or any(v != 1 for v in up.values()):
-            fail(f"gateway moe_rank_up: {up}")
+            fail(f"the gateways' moe_requests_total{{code=\"OK\"}} add up to {ok} after 3 forwards")
         for svc in self.services.values():
             if svc.binary != "moe-rank":
                 continue
@@ -723,6 +817,7 @@ def main():
         run.check_forward()
         run.check_metrics_and_prometheus()
         run.check_trust_boundaries()
+        run.check_gateway_failover()
         run.check_grafana()
         run.stop(strict=True)
         ok = True

@@ -158,10 +158,15 @@ class PythonClientOverMutualTlsTest(PythonClientServiceTest):
             self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")
 
 
-class PythonClientOverTwoGatewaysTest(PythonClientServiceTest):
-    """The same tests with two gateways over the ranks, the client given both; plus: a gateway
-    killed costs no call (moe_serve retries UNAVAILABLE on the other) and comes back."""
-    cluster_flags = ["--gateways", "2", "--restart-gateways"]
+class PythonClientOverTwoGatewaysTest(PythonClientOverMutualTlsTest):
+    """The mTLS tests with two gateways over the ranks, the client given both (TLS verifies the
+    first one's name); plus: a gateway killed costs no call (moe_serve retries UNAVAILABLE on the
+    other) and comes back."""
+
+    @classmethod
+    def prepare(cls):
+        super().prepare()
+        cls.cluster_flags = cls.cluster_flags + ["--gateways", "2", "--restart-gateways"]
 
     @classmethod
     def target(cls):
@@ -180,7 +185,7 @@ class PythonClientOverTwoGatewaysTest(PythonClientServiceTest):
             np.testing.assert_array_equal(y, want)
             time.sleep(0.05)
         deadline = time.time() + 30
-        with moe_serve.MoeClient(f"127.0.0.1:{self.port + 1}") as again:
+        with moe_serve.MoeClient(f"127.0.0.1:{self.port + 1}", **self.client_kwargs()) as again:
             while time.time() < deadline:
                 try:
                     if again.health() == "SERVING":

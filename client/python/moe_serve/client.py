@@ -131,6 +131,10 @@ class _Channels:
         self.target = channel_target(target)
         self.credentials = None
         self.extra_options: list = []
+        if "," in target:
+            # An "ipv4:" list would lend the whole list as the authority TLS verifies: use the
+            # first gateway's name (gateways behind one list share a certificate).
+            self.extra_options.append(("grpc.default_authority", target.split(",")[0].strip()))
         if tls or tls_ca or tls_cert:
             self.credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read(tls_ca), private_key=_read(tls_key),
