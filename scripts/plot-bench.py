@@ -4,8 +4,10 @@
     scripts/plot-bench.py docs/bench/k3-full-cpu.json [more.json ...]
 
 For each FILE.json writes FILE-xroofline.png (measured time over the roofline of the same run,
-per token count: 1.0 is the machine's limit) and FILE-stages.png (the layer's time split into
-its stages, stacked: route, routed experts, shared experts, finish). Titles are plain text.
+per token count: 1.0 is the machine's limit), FILE-stages.png (the layer's time split into its
+stages, stacked: route, routed experts, shared experts, finish) and, for runs that carry per-stage
+figures, FILE-bandwidth.png (each stage's weight bytes per second as a share of the read probe of
+its row: 100% is the memory's limit). Titles are plain text.
 """
 
 import json
@@ -69,6 +71,31 @@ def plot_stages(run, out):
     plt.close(fig)
 
 
+def plot_bandwidth(run, out):
+    rows = run["rows"]
+    labels = [str(r["tokens"]) for r in rows]
+    names = [st["stage"] for st in rows[0]["stages"]]
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
+    for k, name in enumerate(names):
+        share = [100.0 * r["stages"][k]["read_share"] for r in rows]
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(rows))]
+        bars = ax.bar(xs, share, width, label=name)
+        for bar, v in zip(bars, share):
+            ax.annotate(f"{v:.0f}", (bar.get_x() + bar.get_width() / 2, v), textcoords="offset points",
+                        xytext=(0, 2), ha="center", fontsize=7)
+    ax.axhline(100, color="gray", ls="--", lw=1, label="read probe of the row")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels)
+    ax.set_xlabel("tokens per step")
+    ax.set_ylabel("weight GB/s, % of the read probe")
+    ax.set_title("stage bandwidth: " + title(run), fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
 def main(paths):
     if not paths:
         sys.exit(__doc__)
@@ -78,7 +105,11 @@ def main(paths):
         stem = os.path.splitext(path)[0]
         plot_x_roofline(run, stem + "-xroofline.png")
         plot_stages(run, stem + "-stages.png")
-        print(f"plot-bench: {stem}-xroofline.png, {stem}-stages.png")
+        written = [f"{stem}-xroofline.png", f"{stem}-stages.png"]
+        if all("stages" in r for r in run["rows"]):
+            plot_bandwidth(run, stem + "-bandwidth.png")
+            written.append(f"{stem}-bandwidth.png")
+        print("plot-bench: " + ", ".join(written))
 
 
 if __name__ == "__main__":

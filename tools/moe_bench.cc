@@ -55,32 +55,70 @@ struct Row {
   double peak_gflops;  // the same for the compute peak
   double weight_bytes, flops, bw_ms, flop_ms, roofline_ms;
   double route_ms, experts_ms, shared_ms, finish_ms;  // stage split of the median run
+  double stage_bytes[4], stage_flops[4];  // route, experts, shared, finish
 };
 
-// Bytes every step reads whatever the routing, and FLOPs per token of the dense parts.
-struct DenseCost {
+constexpr const char* kStageNames[4] = {"route", "experts", "shared", "finish"};
+
+double StageMs(const Row& r, int stage) {
+  const double ms[4] = {r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms};
+  return ms[stage];
+}
+
+// Weight bytes and FLOPs per token of one dense stage (activations are a rounding error at
+// decode: 1 token of K3 is 14 KB against 380 MB of dense weights).
+struct StageCost {
   double bytes = 0;
   double flops_per_token = 0;
+  void Add(const WeightMatrix& m) {
+    bytes += static_cast<double>(m.TotalBytes());
+    flops_per_token += 2.0 * static_cast<double>(m.rows) * static_cast<double>(m.cols);
+  }
 };
 
-DenseCost DenseParts(const GatewayLayerWeights& w, const MoeConfig& c) {
+// The gateway's stages as GatewayLayer runs them: route = router + latent down-projection,
+// shared = the shared experts, finish = latent up-projection (RMSNorm and the combine read no
+// weights).
+struct DenseCost {
+  StageCost route, shared, finish;
+  double bytes() const { return route.bytes + shared.bytes + finish.bytes; }
+  double flops_per_token() const {
+    return route.flops_per_token + shared.flops_per_token + finish.flops_per_token;
+  }
+};
+
+DenseCost DenseParts(const GatewayLayerWeights& w) {
   DenseCost d;
-  auto add = [&](const WeightMatrix& m) {
-    d.bytes += static_cast<double>(m.TotalBytes());
-    d.flops_per_token += 2.0 * static_cast<double>(m.rows) * static_cast<double>(m.cols);
-  };
-  add(w.router);
+  d.route.Add(w.router);
   if (w.has_latent) {
-    add(w.latent_down);
-    add(w.latent_up);
+    d.route.Add(w.latent_down);
+    d.finish.Add(w.latent_up);
   }
   if (w.has_shared) {
-    add(w.shared.gate);
-    add(w.shared.up);
-    add(w.shared.down);
+    d.shared.Add(w.shared.gate);
+    d.shared.Add(w.shared.up);
+    d.shared.Add(w.shared.down);
   }
-  (void)c;
   return d;
+}
+
+// The per-stage figures of a row as JSON objects (for the table's columns).
+std::string StagesJson(const Row& r) {
+  std::string out;
+  for (int stage = 0; stage < 4; ++stage) {
+    const double ms = std::max(StageMs(r, stage), 1e-6);
+    const double gbps = r.stage_bytes[stage] / (ms * 1e6);
+    const double gflops = r.stage_flops[stage] / (ms * 1e6);
+    absl::StrAppend(
+        &out, stage ? ", " : "",
+        absl::StrFormat("{\"stage\": \"%s\", \"ms\": %.4f, \"weight_bytes\": %.0f, \"flops\": "
+                        "%.0f, \"gbps\": %.3f, \"read_share\": %.4f, \"gflops\": %.3f, "
+                        "\"peak_share\": %.4f}",
+                        kStageNames[stage], StageMs(r, stage), r.stage_bytes[stage],
+                        r.stage_flops[stage], gbps, gbps / r.read_gbps, gflops,
+                        r.peak_gflops > 0 ? gflops / r.peak_gflops : 0));
+  }
+  return out;
 }
 
 // Runs `gnuplot script` without a shell (the path may hold any character); true if it
@@ -124,7 +162,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
       LocalMoeLayer::Load(*checkpoint, layer,
                           ExpertPlacement::Contiguous(config.routing.num_experts, 1), &backend));
   ASSIGN_OR_RETURN(GatewayLayerWeights gw, checkpoint->LoadGatewayLayer(layer));
-  const DenseCost dense = DenseParts(gw, config);
+  const DenseCost dense = DenseParts(gw);
   ASSIGN_OR_RETURN(ExpertShardWeights probe, checkpoint->LoadExperts(layer, {0}));
   const double expert_bytes = static_cast<double>(probe.experts[0].TotalBytes());
   const double expert_flops_per_assignment = 2.0 * 3.0 *
@@ -187,9 +225,18 @@ absl::Status RunLayer(const LayerOptions& opt) {
     r.finish_ms = absl::ToDoubleMilliseconds(median.finish);
     r.experts_touched =
         static_cast<int>(std::set<int32_t>(routing.ids.begin(), routing.ids.end()).size());
-    r.weight_bytes = dense.bytes + r.experts_touched * expert_bytes;
-    r.flops = static_cast<double>(T) * dense.flops_per_token +
+    r.weight_bytes = dense.bytes() + r.experts_touched * expert_bytes;
+    r.flops = static_cast<double>(T) * dense.flops_per_token() +
               static_cast<double>(routing.ids.size()) * expert_flops_per_assignment;
+    const StageCost* dense_stage[4] = {&dense.route, nullptr, &dense.shared, &dense.finish};
+    for (int stage = 0; stage < 4; ++stage) {
+      r.stage_bytes[stage] = dense_stage[stage] != nullptr ? dense_stage[stage]->bytes
+                                                           : r.experts_touched * expert_bytes;
+      r.stage_flops[stage] =
+          dense_stage[stage] != nullptr
+              ? static_cast<double>(T) * dense_stage[stage]->flops_per_token
+              : static_cast<double>(routing.ids.size()) * expert_flops_per_assignment;
+    }
     r.bw_ms = 1e3 * r.weight_bytes / (r.read_gbps * 1e9);
     r.flop_ms = r.peak_gflops > 0 ? 1e3 * r.flops / (r.peak_gflops * 1e9) : 0;
     r.roofline_ms = std::max(r.bw_ms, r.flop_ms);
@@ -229,6 +276,30 @@ absl::Status RunLayer(const LayerOptions& opt) {
         r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.read_gbps, r.peak_gflops, r.bw_ms,
         r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms,
         r.shared_ms, r.finish_ms);
+
+  // Each stage against the machine: the weight bytes it read, at what share of the row's read
+  // probe, and its FLOP rate as a share of the compute peak (what bounds it at large batches).
+  std::printf(
+      "stages (median run; GB/s = the stage's weight bytes / its time; %% = of the row's read "
+      "probe and compute peak):\n%7s",
+      "tokens");
+  for (const char* stage : kStageNames)
+    std::printf(" %27s", absl::StrCat(stage, ": MB, GB/s (%), GF/s (%)").c_str());
+  std::printf("\n");
+  for (const Row& r : rows) {
+    std::printf("%7lld", static_cast<long long>(r.tokens));
+    for (int stage = 0; stage < 4; ++stage) {
+      const double ms = std::max(StageMs(r, stage), 1e-6);
+      const double gbps = r.stage_bytes[stage] / (ms * 1e6);
+      const double gflops = r.stage_flops[stage] / (ms * 1e6);
+      std::printf(" %27s",
+                  absl::StrFormat("%.1f, %.1f (%.0f%%), %.0f (%.0f%%)", r.stage_bytes[stage] / 1e6,
+                                  gbps, 100 * gbps / r.read_gbps, gflops,
+                                  r.peak_gflops > 0 ? 100 * gflops / r.peak_gflops : 0)
+                      .c_str());
+    }
+    std::printf("\n");
+  }
 
   // Several gateways over one rank pool: what a gateway and the ranks spend per token. The
   // gateway runs route + shared + finish for every token; the experts divide across the ranks.
@@ -276,12 +347,12 @@ absl::Status RunLayer(const LayerOptions& opt) {
           "\"roofline_ms\": %.4f, "
           "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
           "\"finish_ms\": %.3f, \"gateway_cpu_ms_per_token\": %.4f, "
-          "\"ranks_cpu_ms_per_token\": %.4f}",
+          "\"ranks_cpu_ms_per_token\": %.4f, \"stages\": [%s]}",
           i ? ", " : "", r.tokens, tier, r.median_ms, r.min_ms, r.runs, r.experts_touched,
           r.read_gbps, r.peak_gflops, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms,
           r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms,
           (r.route_ms + r.shared_ms + r.finish_ms) * threads / r.tokens,
-          r.experts_ms * threads / r.tokens);
+          r.experts_ms * threads / r.tokens, StagesJson(r));
     }
     out << "]}\n";
   }

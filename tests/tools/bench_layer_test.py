@@ -35,6 +35,13 @@ def main() -> int:
         table = run.stdout
         with open(out_json) as f:
             res = json.load(f)
+        # The charts of scripts/plot-bench.py, the per-stage bandwidth bars among them.
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+        subprocess.run(["/usr/bin/python3", os.path.join(source, "scripts", "plot-bench.py"), out_json],
+                       check=True, capture_output=True, timeout=300)
+        for chart in ("xroofline", "stages", "bandwidth"):
+            with open(os.path.join(tmp, f"bench-{chart}.png"), "rb") as f:
+                assert f.read(8) == b"\x89PNG\r\n\x1a\n", chart
         assert "gnuplot failed" not in run.stderr, run.stderr
         with open(out_png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", out_png
@@ -61,6 +68,20 @@ def main() -> int:
         if prev is not None:  # more tokens touch at least as many experts and FLOPs
             assert r["experts_touched"] >= prev["experts_touched"], (prev, r)
             assert r["weight_bytes"] >= prev["weight_bytes"] and r["flops"] > prev["flops"]
+        # The stages: route, experts, shared, finish; their bytes and FLOPs are the row's, each
+        # rate is its bytes (FLOPs) over its time, each share over the row's probe (peak).
+        stages = r["stages"]
+        assert [st["stage"] for st in stages] == ["route", "experts", "shared", "finish"], stages
+        assert abs(sum(st["weight_bytes"] for st in stages) - r["weight_bytes"]) <= 4, (stages, r)
+        assert abs(sum(st["flops"] for st in stages) - r["flops"]) <= 4, (stages, r)
+        assert all(st["weight_bytes"] > 0 and st["flops"] > 0 for st in stages), stages
+        assert sum(st["ms"] for st in stages) <= r["median_ms"] * 1.05 + 0.05, (stages, r)
+        for st in stages:
+            ms = max(st["ms"], 1e-6)
+            assert abs(st["gbps"] - st["weight_bytes"] / (ms * 1e6)) <= 1e-3 * st["gbps"] + 2e-3, st
+            assert abs(st["read_share"] - st["gbps"] / r["read_gbps"]) <= 1e-3 * st["read_share"] + 1e-4, st
+            assert abs(st["gflops"] - st["flops"] / (ms * 1e6)) <= 1e-3 * st["gflops"] + 2e-3, st
+            assert abs(st["peak_share"] - st["gflops"] / r["peak_gflops"]) <= 1e-3 * st["peak_share"] + 1e-4, st
         prev = r
         # The printed table has the same row.
         line = next(l for l in table.splitlines() if l.split() and l.split()[0] == str(r["tokens"]))
