@@ -4,13 +4,17 @@
 Debian's promtool is built without Kubernetes discovery, so this test emulates it: it builds the
 targets Prometheus' `kubernetes_sd_configs: role: pod` would produce for the pods of the
 manifests (the Deployment's pod, the StatefulSet's moe-rank-0..N-1 plus moe-rank-12 for the
-two-digit case; one target per declared container port, or one per container without ports;
-the __meta_kubernetes_pod_* labels, sanitized as Prometheus does; the job's namespace and label
+two-digit case, and the LeaderWorkerSet of each overlay (deploy/k8s-lws): per group the leader
+<lws>-<group> and the workers <lws>-<group>-<index> of its size plus worker 12 for the two-digit
+case, labelled as the LWS controller labels them (leaderworkerset.sigs.k8s.io/worker-index...);
+one target per declared container port, or one per container without ports; the
+__meta_kubernetes_pod_* labels, sanitized as Prometheus does; the job's namespace and label
 selectors applied), swaps each job's kubernetes_sd_configs for file_sd_configs holding them, and
-runs `promtool check config` and `promtool check service-discovery` on the result. Each gateway
-pod must yield one target on the gateway's --metrics-port, each rank pod one target on the port
-its own command computes (--metrics-port "$((9500 + ordinal))", evaluated for its ordinal), with
-the label rank=<ordinal>. Nothing else may be scraped.
+runs `promtool check config` and `promtool check service-discovery` on the result. Both rank
+layouts are discovered at once. Each gateway pod must yield one target on the gateway's
+--metrics-port, each rank pod one target on the port its own command computes (--metrics-port
+"$((9500 + ordinal))", evaluated for its ordinal; an LWS pod's fixed 9400), with the label
+rank=<ordinal> (an LWS pod: rank=<worker index>). Nothing else may be scraped.
 
 usage: check_prometheus_k8s.py [--bin-dir DIR] [--source-dir DIR]
 """
@@ -34,6 +38,34 @@ def sanitize(name):
     return re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
+def pods_of(w):
+    """(pod name, ordinal or worker index, labels its controller adds, pod template) of the pods a
+    workload makes, as the emulation lists them."""
+    spec, name = w["spec"], w["metadata"]["name"]
+    replicas = int(spec.get("replicas", 1))
+    if w["kind"] == "Deployment":
+        return [(f"{name}-5d9c7b8f4-x{i}q2z", i, {"pod-template-hash": "5d9c7b8f4"}, spec["template"])
+                for i in range(replicas)]
+    if w["kind"] == "StatefulSet":
+        return [(f"{name}-{i}", i, {"statefulset.kubernetes.io/pod-name": f"{name}-{i}",
+                                    "apps.kubernetes.io/pod-index": str(i)}, spec["template"])
+                for i in list(range(replicas)) + [12]]
+    # LeaderWorkerSet (LWS 0.9: pkg/webhooks/pod_webhook.go, pkg/controllers): the leader
+    # <name>-<group> (worker index 0, the leaderTemplate if any) and the workers
+    # <name>-<group>-<index>.
+    lwt = spec["leaderWorkerTemplate"]
+    pods = []
+    for group in range(replicas):
+        for index in list(range(int(lwt.get("size", 1)))) + [12]:
+            labels = {"leaderworkerset.sigs.k8s.io/name": name, "leaderworkerset.sigs.k8s.io/group-index": str(group),
+                      "leaderworkerset.sigs.k8s.io/worker-index": str(index),
+                      "leaderworkerset.sigs.k8s.io/group-key": f"{group:040x}",
+                      "leaderworkerset.sigs.k8s.io/template-revision-hash": "5c5fcdfb44"}
+            tmpl = lwt.get("leaderTemplate") or lwt["workerTemplate"] if index == 0 else lwt["workerTemplate"]
+            pods.append((f"{name}-{group}" + (f"-{index}" if index else ""), index, labels, tmpl))
+    return pods
+
+
 def main():
     _, source, bindir = dc.parse_check_args()
     f = dc.Failures("check_prometheus_k8s")
@@ -42,6 +74,10 @@ def main():
     docs = []
     for path in sorted((source / "deploy" / "k8s").glob("*.y*ml")):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    # The overlays' own workloads (their other objects are the base's).
+    for overlay in dc.k8s_overlays(source):
+        for path in sorted(overlay.glob("*.y*ml")):
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "LeaderWorkerSet"]
     namespace = next((d.get("namespace") for d in docs if d.get("kind") == "Kustomization"), "default")
     configmaps = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d.get("kind") == "ConfigMap"}
 
@@ -49,20 +85,10 @@ def main():
     pods = []   # (pod name, labels, annotations, containers, expected {job: (port, extra labels)})
     ip = 0
     for w in docs:
-        if w.get("kind") not in ("Deployment", "StatefulSet"):
+        if w.get("kind") not in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
             continue
-        tmpl = w["spec"]["template"]
-        replicas = int(w["spec"].get("replicas", 1))
-        ordinals = list(range(replicas)) + ([12] if w["kind"] == "StatefulSet" else [])
-        for ordinal in ordinals:
+        for name, ordinal, extra_labels, tmpl in pods_of(w):
             ip += 1
-            if w["kind"] == "StatefulSet":
-                name = f"{w['metadata']['name']}-{ordinal}"
-                extra_labels = {"statefulset.kubernetes.io/pod-name": name,
-                                "apps.kubernetes.io/pod-index": str(ordinal)}
-            else:
-                name = f"{w['metadata']['name']}-5d9c7b8f4-x{ordinal}q2z"
-                extra_labels = {"pod-template-hash": "5d9c7b8f4"}
             labels = dict(tmpl["metadata"].get("labels") or {}, **extra_labels)
             expected = {}
             for c in tmpl["spec"]["containers"]:

@@ -282,6 +282,13 @@ def port_for_ordinal(value, ordinal, script=None):
     return int(eval(expr, {"__builtins__": {}}))  # digits, + - * ( ) only
 
 
+def k8s_overlays(source):
+    """Kustomize overlays of deploy/k8s: the other directories of deploy/ with a kustomization.yaml
+    (kustomize refuses an overlay inside its base's directory)."""
+    base = Path(source) / "deploy" / "k8s"
+    return sorted(p.parent for p in (Path(source) / "deploy").glob("*/kustomization.y*ml") if p.parent != base)
+
+
 def shell_script_of(argv):
     """The script of `sh -c SCRIPT` / `bash -c SCRIPT` (after an init wrapper), else None."""
     argv = strip_init(argv)
