@@ -111,7 +111,7 @@ std::string StagesJson(const Row& r) {
     const double gflops = r.stage_flops[stage] / (ms * 1e6);
     absl::StrAppend(
         &out, stage ? ", " : "",
-        absl::StrFormat("{\"stage\": \"%s\", \"ms\": %.4f, \"weight_bytes\": %.0f, \"flops\": "
+        absl::StrFormat("{\"stage\": \"%s\", \"ms\": %.6f, \"weight_bytes\": %.0f, \"flops\": "
                         "%.0f, \"gbps\": %.3f, \"read_share\": %.4f, \"gflops\": %.3f, "
                         "\"peak_share\": %.4f}",
                         kStageNames[stage], StageMs(r, stage), r.stage_bytes[stage],
