@@ -36,8 +36,11 @@ grpc::Status ReadAfterAdmission(grpc::ServerContext& context,
   }
   Response response;
   grpc::Status status = handle(request, &response);
-  if (status.ok() && !stream.Write(response))
-    return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away before the response");
+  // WriteLast holds the message back and sends it in one batch with the status, as an ordinary
+  // unary method does. A plain Write would send headers and message first: a gateway that hangs
+  // between the two leaves the call committed (headers received), so the failover client could
+  // not retry it on another gateway.
+  if (status.ok()) stream.WriteLast(response, grpc::WriteOptions());
   return status;
 }
 
