@@ -27,7 +27,8 @@ bool IsLoopback(const std::string& host) {
 int main(int argc, char** argv) {
   moe::GatewayOptions options;
   std::string layers, dtype = "bf16";
-  int64_t max_wait_us = 500;
+  int64_t max_wait_us = 0;
+  int64_t balance_window_s = 60;
   int64_t step_timeout_ms = 60000;
   int64_t heartbeat_ms = 500, rank_timeout_ms = 3000;
   moe::Flags flags(
@@ -85,7 +86,9 @@ int main(int argc, char** argv) {
             "of a large one (lower: shorter waits; higher: expert weights read once for more "
             "tokens, which memory-bound GPUs want)");
   flags.Range("max-tokens-per-step", 1, 1 << 24);
-  flags.Int("max-wait-us", &max_wait_us, "how long a step waits for more requests");
+  flags.Int("max-wait-us", &max_wait_us,
+            "how long an idle layer waits for more requests before a step (0: none; requests that "
+            "arrive while a step runs join the next one anyway)");
   flags.Int("max-request-tokens", &options.max_request_tokens,
             "largest request (RESOURCE_EXHAUSTED beyond)");
   flags.Range("max-request-tokens", 1, 1 << 24);
@@ -127,8 +130,12 @@ int main(int argc, char** argv) {
   flags.String("metrics-host", &metrics_host, "metrics listen address (default: the --host value)");
   flags.Bool("per-expert-metrics", &options.metrics.per_expert,
              "export per-expert series (experts x layers of them)");
+  flags.Int("balance-window-s", &balance_window_s,
+            "seconds of steps in the load-balance window (balancedness gauges, load reports, "
+            "placement advice)");
+  flags.Range("balance-window-s", 1, 86400);
   flags.Int("balance-window-steps", &options.metrics.window_steps,
-            "steps in the load-balance sliding window");
+            "at most this many steps in the load-balance window");
   flags.Int("qb-window-tokens", &options.balance.window_tokens,
             "router-score window per layer for Quantile Balancing diagnostics (0 = off)");
   int64_t qb_refresh_s = 10;
@@ -191,6 +198,7 @@ int main(int argc, char** argv) {
   // publish its traffic figures to the network.
   options.metrics_host = metrics_host.empty() ? options.host : metrics_host;
   options.batcher.max_wait = absl::Microseconds(max_wait_us);
+  options.metrics.window = absl::Seconds(balance_window_s);
   options.balance.refresh = absl::Seconds(qb_refresh_s);
   options.batcher.step_timeout = absl::Milliseconds(step_timeout_ms);
   if (stream_buffer_mb < 1 || stream_buffer_mb > (int64_t{1} << 20)) {

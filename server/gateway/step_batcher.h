@@ -1,8 +1,9 @@
 // Batches concurrent requests for the same layer into steps of at most `max_tokens_per_step`.
 //
-// One scheduler thread per served layer: it waits for the first request, then up to
-// `max_wait` for more (or until `max_tokens_per_step` tokens are queued), fills a step from the
-// queue in order and hands every caller its own rows back. A request that does not fit the
+// One scheduler thread per served layer: it waits for the first request, then up to `max_wait`
+// for more (0 by default: requests that arrive while a step runs are batched into the next step
+// without any wait, as Triton's dynamic batcher does; an idle layer starts at once), fills a
+// step from the queue in order and hands every caller its own rows back. A request that does not fit the
 // step's room is split: its first rows run now, the rest goes to the back of the queue, so a
 // small request never waits behind much more than one step of a large one's tokens (head-of-
 // line blocking). Splitting changes no bit: the kernels are batch invariant. Cancelled or
@@ -34,7 +35,7 @@ struct BatcherOptions {
   // 3% and 10% more time on the 4096-token request. Steps too small to amortize the expert
   // weights cost more on memory-bound GPUs: raise it there (README, gateway flags).
   int64_t max_tokens_per_step = 1024;
-  absl::Duration max_wait = absl::Microseconds(500);  // how long a step waits to fill up
+  absl::Duration max_wait = absl::ZeroDuration();  // how long an idle layer waits to fill a step
   absl::Duration step_timeout = absl::Seconds(60);    // bound on a step's exchange with the ranks
   int64_t max_queued_tokens = 1 << 20;  // beyond this, new requests get RESOURCE_EXHAUSTED
 };

@@ -53,11 +53,26 @@ void Poke(const std::string& host, int port) {
   close(fd);
 }
 
+// A registry whose owner updates some gauges right before each scrape.
+class RefreshedRegistry final : public prometheus::Collectable {
+ public:
+  RefreshedRegistry(std::shared_ptr<prometheus::Registry> registry, std::function<void()> refresh)
+      : registry_(std::move(registry)), refresh_(std::move(refresh)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    refresh_();
+    return registry_->Collect();
+  }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::function<void()> refresh_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const std::shared_ptr<prometheus::Registry>& registry, const std::string& address,
-    int threads) {
+    int threads, std::function<void()> before_scrape) {
   std::unique_ptr<prometheus::Exposer> exposer;
   // civetweb gives each connection a worker thread until its request is read; with its
   // default 30 s request timeout a few half-open connections (or a slow scanner) would hold
@@ -72,7 +87,13 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
   }
-  exposer->RegisterCollectable(registry);
+  std::shared_ptr<prometheus::Collectable> refreshed;
+  if (before_scrape) {
+    refreshed = std::make_shared<RefreshedRegistry>(registry, std::move(before_scrape));
+    exposer->RegisterCollectable(refreshed);
+  } else {
+    exposer->RegisterCollectable(registry);
+  }
   auto process = ProcessCollector();
   exposer->RegisterCollectable(process);
   const auto ports = exposer->GetListeningPorts();
@@ -80,6 +101,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   auto server = std::unique_ptr<MetricsServer>(
       new MetricsServer(std::move(exposer), WakeHost(address), port));
   server->process_ = std::move(process);
+  server->refreshed_ = std::move(refreshed);
   return server;
 }
 

@@ -2,6 +2,7 @@
 // shutdown).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,10 +20,11 @@ namespace moe {
 class MetricsServer {
  public:
   // Listens on `address` ("HOST:PORT", port 0 = any free one) and serves `registry` and the
-  // process_* metrics.
+  // process_* metrics; `before_scrape`, if set, runs before each collection of the registry
+  // (gauges computed from time windows).
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::shared_ptr<prometheus::Registry>& registry, const std::string& address,
-      int threads);
+      int threads, std::function<void()> before_scrape = nullptr);
   ~MetricsServer();
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;
@@ -40,6 +42,7 @@ class MetricsServer {
 
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::shared_ptr<prometheus::Collectable> process_;  // process_* (the exposer holds it weakly)
+  std::shared_ptr<prometheus::Collectable> refreshed_;  // the registry behind before_scrape
   const std::string wake_host_;  // where the destructor connects: the bound address, or loopback
   const int port_;
 };

@@ -78,14 +78,18 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
   balancedness_ =
       &BuildGauge()
            .Name("moe_load_balancedness")
-           .Help(
-               "Mean over max of tokens per rank over the sliding window (1 = balanced), by layer")
+           .Help("Mean over max of tokens per rank over the window (--balance-window-s; 1 = "
+                 "balanced, also when the window is empty), by layer")
            .Register(*registry_);
   expert_balancedness_ =
       &BuildGauge()
            .Name("moe_expert_balancedness")
-           .Help("Mean over max of tokens per expert over the sliding window, by layer")
+           .Help("Mean over max of tokens per expert over the window, by layer")
            .Register(*registry_);
+  window_tokens_ = &BuildGauge()
+                        .Name("moe_load_window_tokens")
+                        .Help("Tokens in the balancedness window, by layer (alerts need enough)")
+                        .Register(*registry_);
   expert_tokens_ = &BuildCounter()
                         .Name("moe_expert_tokens_total")
                         .Help("Token assignments per expert (opt-in: --per-expert-metrics)")
@@ -199,15 +203,17 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
     windows_[layer];
     balancedness_->Add({{"layer", L(layer)}}).Set(1);
     expert_balancedness_->Add({{"layer", L(layer)}}).Set(1);
+    window_tokens_->Add({{"layer", L(layer)}}).Set(0);
     for (int r = 0; r < placement.num_ranks(); ++r)
       rank_tokens_->Add({{"rank", L(r)}, {"layer", L(layer)}});
   }
 }
 
-GatewayMetrics::~GatewayMetrics() = default;
+// The server first: a scrape in progress reads the windows.
+GatewayMetrics::~GatewayMetrics() { server_.reset(); }
 
 absl::Status GatewayMetrics::Serve(const std::string& address) {
-  auto server = MetricsServer::Start(registry_, address, 2);
+  auto server = MetricsServer::Start(registry_, address, 2, [this] { RefreshWindows(); });
   if (!server.ok()) return server.status();
   server_ = std::move(*server);
   port_ = server_->port();
@@ -327,33 +333,52 @@ void GatewayMetrics::OnStep(const StepStats& s) {
   }
 
   std::function<void(int, const std::vector<float>&, int64_t)> sink;
-  double rank_balance, expert_balance;
   {
     std::lock_guard<std::mutex> lock(mu_);
     LayerWindow& w = windows_[s.layer];
     if (w.rank_sum.empty()) w.rank_sum.assign(R, 0);
     if (w.expert_sum.empty()) w.expert_sum.assign(experts.size(), 0);
+    w.step_times.push_back(absl::Now());
     w.rank_steps.push_back(s.rank_rows);
     w.expert_steps.push_back(experts);
     w.step_tokens.push_back(s.tokens);
     for (int r = 0; r < R; ++r) w.rank_sum[r] += s.rank_rows[r];
     for (size_t e = 0; e < experts.size(); ++e) w.expert_sum[e] += experts[e];
     w.token_sum += s.tokens;
-    while (static_cast<int>(w.rank_steps.size()) > options_.window_steps) {
-      for (int r = 0; r < R; ++r) w.rank_sum[r] -= w.rank_steps.front()[r];
-      for (size_t e = 0; e < experts.size(); ++e) w.expert_sum[e] -= w.expert_steps.front()[e];
-      w.token_sum -= w.step_tokens.front();
-      w.rank_steps.pop_front();
-      w.expert_steps.pop_front();
-      w.step_tokens.pop_front();
-    }
-    rank_balance = MeanOverMax(w.rank_sum);
-    expert_balance = MeanOverMax(w.expert_sum);
+    Expire(w, w.step_times.back());
+    SetWindowGauges(s.layer, w);
     sink = score_sink_;
   }
-  balancedness_->Add({{"layer", layer}}).Set(rank_balance);
-  expert_balancedness_->Add({{"layer", layer}}).Set(expert_balance);
   if (sink && s.router_scores != nullptr) sink(s.layer, *s.router_scores, s.tokens);
+}
+
+void GatewayMetrics::Expire(LayerWindow& w, absl::Time now) const {
+  const absl::Time oldest = now - options_.window;
+  while (!w.step_times.empty() && (static_cast<int>(w.step_times.size()) > options_.window_steps ||
+                                   w.step_times.front() < oldest)) {
+    for (size_t r = 0; r < w.rank_sum.size(); ++r) w.rank_sum[r] -= w.rank_steps.front()[r];
+    for (size_t e = 0; e < w.expert_sum.size(); ++e) w.expert_sum[e] -= w.expert_steps.front()[e];
+    w.token_sum -= w.step_tokens.front();
+    w.step_times.pop_front();
+    w.rank_steps.pop_front();
+    w.expert_steps.pop_front();
+    w.step_tokens.pop_front();
+  }
+}
+
+void GatewayMetrics::SetWindowGauges(int layer, const LayerWindow& w) {
+  balancedness_->Add({{"layer", L(layer)}}).Set(MeanOverMax(w.rank_sum));
+  expert_balancedness_->Add({{"layer", L(layer)}}).Set(MeanOverMax(w.expert_sum));
+  window_tokens_->Add({{"layer", L(layer)}}).Set(static_cast<double>(w.token_sum));
+}
+
+void GatewayMetrics::RefreshWindows() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = absl::Now();
+  for (auto& [layer, w] : windows_) {
+    Expire(w, now);
+    SetWindowGauges(layer, w);
+  }
 }
 
 LayerLoad GatewayMetrics::Load(int layer) const {
@@ -361,7 +386,8 @@ LayerLoad GatewayMetrics::Load(int layer) const {
   LayerLoad out;
   auto it = windows_.find(layer);
   if (it == windows_.end()) return out;
-  const LayerWindow& w = it->second;
+  LayerWindow& w = it->second;
+  Expire(w, absl::Now());
   out.steps = static_cast<int64_t>(w.rank_steps.size());
   out.tokens = w.token_sum;
   out.rank_tokens = w.rank_sum;

@@ -27,7 +27,11 @@ namespace moe {
 
 struct MetricsOptions {
   bool per_expert = false;  // moe_expert_tokens_total{layer, expert} and per-expert QB biases
-  int window_steps = 256;   // sliding window of the balancedness gauges
+  // The balancedness gauges and the load reports cover the steps of the last `window`, at most
+  // `window_steps` of them: a window of time, so it empties when traffic stops instead of
+  // freezing on the last busy minute.
+  absl::Duration window = absl::Seconds(60);
+  int window_steps = 1024;
 };
 
 // Token counts of one layer over the sliding window.
@@ -79,12 +83,18 @@ class GatewayMetrics final : public StepObserver {
 
  private:
   struct LayerWindow {
+    std::deque<absl::Time> step_times;
     std::deque<std::vector<int64_t>> rank_steps;    // per step, per rank
     std::deque<std::vector<int64_t>> expert_steps;  // per step, per expert
     std::deque<int64_t> step_tokens;
     std::vector<int64_t> rank_sum, expert_sum;
     int64_t token_sum = 0;
   };
+  // Drops the steps that left the window (mu_ held).
+  void Expire(LayerWindow& w, absl::Time now) const;
+  // Ages every layer's window and sets its gauges (before each scrape).
+  void RefreshWindows();
+  void SetWindowGauges(int layer, const LayerWindow& w);
   static std::string L(int v) { return std::to_string(v); }
 
   MoeConfig config_;
@@ -103,6 +113,7 @@ class GatewayMetrics final : public StepObserver {
   prometheus::Family<prometheus::Gauge>* rank_active_experts_;
   prometheus::Family<prometheus::Gauge>* balancedness_;
   prometheus::Family<prometheus::Gauge>* expert_balancedness_;
+  prometheus::Family<prometheus::Gauge>* window_tokens_;
   prometheus::Family<prometheus::Counter>* expert_tokens_;
   prometheus::Family<prometheus::Gauge>* rank_up_;
   prometheus::Family<prometheus::Gauge>* rank_weight_bytes_;
@@ -124,7 +135,7 @@ class GatewayMetrics final : public StepObserver {
   prometheus::Histogram* placement_change_seconds_;
 
   mutable std::mutex mu_;
-  std::map<int, LayerWindow> windows_;
+  mutable std::map<int, LayerWindow> windows_;  // aged on read too
   std::function<void(int, const std::vector<float>&, int64_t)> score_sink_;
 };
 

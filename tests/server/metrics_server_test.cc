@@ -1,18 +1,22 @@
 // /metrics under idle connections: half-open sockets (connected, never sending a request) must
-// not stall scrapes, and the server must close them instead of holding a worker for 30 s.
+// not stall scrapes, and the server must close them instead of holding a worker for 30 s. And the
+// gateway's load-balance window: a window of time, emptied on scrape once traffic stops.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <regex>
 #include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "prometheus/counter.h"
+#include "model/synthetic.h"
 #include "server/metrics/exposer.h"
+#include "server/metrics/gateway_metrics.h"
 
 namespace moe {
 namespace {
@@ -98,6 +102,55 @@ TEST_F(MetricsServerTest, TheServerClosesAConnectionThatSendsNoRequest) {
   EXPECT_LE(n, 0) << "closed, nothing sent";
   EXPECT_LT(waited, MetricsServer::kRequestTimeout + absl::Seconds(1.5)) << waited;
   EXPECT_GT(waited, MetricsServer::kRequestTimeout / 2) << "not closed before its timeout";
+}
+
+// The value of `series` (full name and labels) in a scrape; -1 when it is missing.
+double Sample(const std::string& scrape, const std::string& series) {
+  std::smatch m;
+  const std::regex line("\n" + std::regex_replace(series, std::regex(R"([{}"])"), R"(\$&)") +
+                        R"( ([0-9.eE+-]+))");
+  return std::regex_search(scrape, m, line) ? std::stod(m[1].str()) : -1;
+}
+
+TEST(GatewayMetricsWindowTest, TheBalanceWindowEmptiesWhenTrafficStops) {
+  auto config = SyntheticPreset("k3-mini");
+  ASSERT_TRUE(config.ok());
+  MetricsOptions options;
+  options.window = absl::Milliseconds(400);
+  GatewayMetrics metrics(*config, {1}, ExpertPlacement::Contiguous(config->routing.num_experts, 4),
+                         options);
+  ASSERT_TRUE(metrics.Serve("127.0.0.1:0").ok());
+  StepStats step;
+  step.layer = 1;
+  step.tokens = 40;
+  step.rank_rows = {40, 10, 10, 20};  // skewed: mean 20 over max 40
+  step.rank_active_experts = {1, 1, 1, 1};
+  step.rank_bytes_sent = step.rank_bytes_received = {0, 0, 0, 0};
+  metrics.OnStep(step);
+  metrics.OnStep(step);
+  EXPECT_EQ(metrics.Load(1).steps, 2);
+  EXPECT_EQ(metrics.Load(1).tokens, 80);
+  EXPECT_DOUBLE_EQ(metrics.Load(1).rank_balancedness, 0.5);
+  const std::string busy = Scrape(metrics.port());
+  EXPECT_EQ(Sample(busy, "moe_load_window_tokens{layer=\"1\"}"), 80) << busy;
+  EXPECT_DOUBLE_EQ(Sample(busy, "moe_load_balancedness{layer=\"1\"}"), 0.5);
+
+  // No step since: a scrape after the window sees it empty (balanced, no tokens), not the last
+  // busy window frozen; the load report agrees.
+  absl::SleepFor(absl::Milliseconds(500));
+  const std::string idle = Scrape(metrics.port());
+  EXPECT_EQ(Sample(idle, "moe_load_window_tokens{layer=\"1\"}"), 0) << idle;
+  EXPECT_DOUBLE_EQ(Sample(idle, "moe_load_balancedness{layer=\"1\"}"), 1.0);
+  EXPECT_EQ(metrics.Load(1).steps, 0);
+  EXPECT_EQ(metrics.Load(1).tokens, 0);
+
+  // The step cap still bounds the window's memory.
+  options.window = absl::Hours(1);
+  options.window_steps = 3;
+  GatewayMetrics capped(*config, {1},
+                        ExpertPlacement::Contiguous(config->routing.num_experts, 4), options);
+  for (int i = 0; i < 5; ++i) capped.OnStep(step);
+  EXPECT_EQ(capped.Load(1).steps, 3);
 }
 
 }  // namespace
