@@ -172,7 +172,10 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
 Gateway::Gateway(const GatewayOptions& options)
     : options_(options), stream_buffers_(options.max_stream_buffer_total_bytes) {}
 
-Gateway::~Gateway() { Shutdown(absl::Seconds(1)); }
+Gateway::~Gateway() {
+  if (metrics_ != nullptr) metrics_->SetReadiness(nullptr);  // /readyz no longer asks this
+  Shutdown(absl::Seconds(1));
+}
 
 void Gateway::StartNcclGroup() {
   // NCCL init is collective and blocks until every rank has joined, so it runs beside the
@@ -230,6 +233,11 @@ absl::Status Gateway::Start() {
   if (options_.metrics_port >= 0) {
     RETURN_IF_ERROR(
         metrics_->Serve(absl::StrCat(options_.metrics_host, ":", options_.metrics_port)));
+    // /readyz as the overall gRPC health: every expert has a live replica, not draining.
+    metrics_->SetReadiness([this]() -> std::string {
+      if (draining_) return "draining";
+      return ready() ? "" : ReadinessMessage();
+    });
   }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

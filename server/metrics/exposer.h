@@ -1,27 +1,30 @@
-// Serving a prometheus-cpp registry on /metrics (one place for the exposer's exceptions and its
-// shutdown).
+// The HTTP endpoint of every process: a prometheus-cpp registry on /metrics, and the probes
+// /healthz (200 while the process answers) and /readyz (200 when its owner says ready, else 503
+// with the reason), on civetweb (one place for its exceptions and its shutdown).
 #pragma once
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "prometheus/exposer.h"
 #include "prometheus/registry.h"
+
+class CivetServer;
 
 namespace moe {
 
-// A running /metrics endpoint. Destruction returns within milliseconds: civetweb's listener
-// thread polls with a 2 s quantum and checks its stop flag only between polls, so the
-// destructor connects to the port while the exposer stops (which wakes the poll) instead of
-// making every process exit wait for up to 2 s.
+// A running endpoint. Destruction returns within milliseconds: civetweb's listener thread polls
+// with a 2 s quantum and checks its stop flag only between polls, so the destructor connects to
+// the port while the server stops (which wakes the poll) instead of making every process exit
+// wait for up to 2 s.
 class MetricsServer {
  public:
   // Listens on `address` ("HOST:PORT", port 0 = any free one) and serves `registry` and the
   // process_* metrics; `before_scrape`, if set, runs before each collection of the registry
-  // (gauges computed from time windows).
+  // (gauges computed from time windows). /readyz says ready until SetReadiness.
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::shared_ptr<prometheus::Registry>& registry, const std::string& address,
       int threads, std::function<void()> before_scrape = nullptr);
@@ -30,6 +33,9 @@ class MetricsServer {
   MetricsServer& operator=(const MetricsServer&) = delete;
 
   int port() const { return port_; }
+  // What /readyz asks: "" when ready, else why not. Returns only when no probe is still running
+  // the previous function (so an owner can clear it, nullptr, before it goes away).
+  void SetReadiness(std::function<std::string()> not_ready);
 
   // Workers at least, and how long a connection may take to send its request. civetweb runs a
   // thread per connection: fewer idle connections than workers cost nothing, N of them delay a
@@ -38,11 +44,15 @@ class MetricsServer {
   static constexpr absl::Duration kRequestTimeout = absl::Seconds(2);
 
  private:
-  MetricsServer(std::unique_ptr<prometheus::Exposer> exposer, std::string wake_host, int port);
+  class MetricsHandler;
+  class HealthHandler;
+  MetricsServer(std::string wake_host, int port);
 
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  std::shared_ptr<prometheus::Collectable> process_;  // process_* (the exposer holds it weakly)
-  std::shared_ptr<prometheus::Collectable> refreshed_;  // the registry behind before_scrape
+  std::unique_ptr<MetricsHandler> metrics_;
+  std::unique_ptr<HealthHandler> healthz_, readyz_;
+  std::mutex readiness_mu_;
+  std::function<std::string()> not_ready_;  // guarded by readiness_mu_
+  std::unique_ptr<CivetServer> civet_;       // last: stopped before the handlers go
   const std::string wake_host_;  // where the destructor connects: the bound address, or loopback
   const int port_;
 };

@@ -53,6 +53,10 @@ class GatewayMetrics final : public StepObserver {
   // Serves /metrics on `address` ("0.0.0.0:9400"); port 0 picks a free one (see port()).
   absl::Status Serve(const std::string& address);
   int port() const { return port_; }
+  // What the endpoint's /readyz asks (MetricsServer::SetReadiness); after Serve.
+  void SetReadiness(std::function<std::string()> not_ready) {
+    if (server_ != nullptr) server_->SetReadiness(std::move(not_ready));
+  }
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
   void OnStep(const StepStats& stats) override;

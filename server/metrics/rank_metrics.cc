@@ -58,7 +58,8 @@ RankMetrics::RankMetrics() : registry_(std::make_shared<prometheus::Registry>())
   rank_id_series_->Set(-1);
 }
 
-RankMetrics::~RankMetrics() = default;
+// The server first: a probe in progress reads the registration.
+RankMetrics::~RankMetrics() { server_.reset(); }
 
 void RankMetrics::SetBuildInfo(const std::string& backend) {
   build_info_->Add(BuildInfoLabels(backend)).Set(1);
@@ -69,6 +70,11 @@ absl::Status RankMetrics::Serve(const std::string& address) {
   if (!server.ok()) return server.status();
   server_ = std::move(*server);
   port_ = server_->port();
+  // Ready once registered with a gateway (and loaded: registration follows the load).
+  server_->SetReadiness([this]() -> std::string {
+    std::lock_guard<std::mutex> lock(mu_);
+    return rank_label_.empty() ? "not registered with a gateway yet" : "";
+  });
   return absl::OkStatus();
 }
 

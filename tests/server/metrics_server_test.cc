@@ -34,10 +34,10 @@ int Connect(int port, absl::Duration receive_timeout) {
   return fd;
 }
 
-// One GET /metrics; the whole response, "" when none came within 10 s.
-std::string Scrape(int port) {
+// One GET of `path`; the whole response, "" when none came within 10 s.
+std::string Get(int port, const std::string& path) {
   const int fd = Connect(port, absl::Seconds(10));
-  const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
   EXPECT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL),
             static_cast<ssize_t>(request.size()));
   std::string response;
@@ -46,6 +46,8 @@ std::string Scrape(int port) {
   close(fd);
   return response;
 }
+
+std::string Scrape(int port) { return Get(port, "/metrics"); }
 
 class MetricsServerTest : public ::testing::Test {
  protected:
@@ -102,6 +104,29 @@ TEST_F(MetricsServerTest, TheServerClosesAConnectionThatSendsNoRequest) {
   EXPECT_LE(n, 0) << "closed, nothing sent";
   EXPECT_LT(waited, MetricsServer::kRequestTimeout + absl::Seconds(1.5)) << waited;
   EXPECT_GT(waited, MetricsServer::kRequestTimeout / 2) << "not closed before its timeout";
+}
+
+TEST_F(MetricsServerTest, ProbesAnswerBesideTheMetrics) {
+  const std::string health = Get(server_->port(), "/healthz");
+  EXPECT_NE(health.find("HTTP/1.1 200"), std::string::npos) << health;
+  std::string ready = Get(server_->port(), "/readyz");
+  EXPECT_NE(ready.find("HTTP/1.1 200"), std::string::npos) << "ready until told otherwise";
+
+  server_->SetReadiness([] { return std::string("2 of 4 ranks up"); });
+  ready = Get(server_->port(), "/readyz");
+  EXPECT_NE(ready.find("HTTP/1.1 503"), std::string::npos) << ready;
+  EXPECT_NE(ready.find("not ready: 2 of 4 ranks up"), std::string::npos) << ready;
+  EXPECT_NE(Get(server_->port(), "/healthz").find("HTTP/1.1 200"), std::string::npos)
+      << "alive while not ready";
+  server_->SetReadiness([] { return std::string(); });
+  EXPECT_NE(Get(server_->port(), "/readyz").find("HTTP/1.1 200"), std::string::npos);
+
+  const std::string metrics = Scrape(server_->port());
+  EXPECT_NE(metrics.find("moe_test_total 3"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("process_resident_memory_bytes"), std::string::npos);
+  // Exact paths only.
+  EXPECT_EQ(Get(server_->port(), "/readyz/x").find("HTTP/1.1 200"), std::string::npos);
+  EXPECT_EQ(Get(server_->port(), "/metricsx").find("HTTP/1.1 200"), std::string::npos);
 }
 
 // The value of `series` (full name and labels) in a scrape; -1 when it is missing.

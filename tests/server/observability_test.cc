@@ -2,6 +2,7 @@
 // Quantile Balancing diagnostics on a skewed router, and an EPLB placement that improves the
 // measured balance while the outputs stay identical. And a rank's load progress: its gauge and
 // its log lines.
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -146,6 +147,19 @@ TEST(ObservabilityTest, PrometheusSeesExactlyTheTokensTheRoutingSent) {
         absl::StrCat("curl -s http://127.0.0.1:", port, "/metrics | promtool check metrics 2>&1"),
         &rc);
     EXPECT_EQ(rc, 0) << "port " << port << ": " << out;
+    // The probes beside /metrics: alive, and ready (every rank registered; the gateway serving).
+    for (const char* path : {"/healthz", "/readyz"})
+      EXPECT_EQ(Shell(absl::StrCat("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:", port,
+                                   path)),
+                "200")
+          << "port " << port << path;
+  }
+  // The images' rank probe reads the same answers.
+  for (int port : rank_ports) {
+    int rc = -1;
+    const std::string out =
+        Shell(absl::StrCat("bash ", MOE_SOURCE_DIR, "/docker/moe-rank-probe ", port, " 2>&1"), &rc);
+    EXPECT_EQ(rc, 0) << out;
   }
   PrometheusServer prometheus(
       {{"moe-gateway", {cluster.gateway_metrics_port()}}, {"moe-rank", rank_ports}});
@@ -205,6 +219,19 @@ TEST(ObservabilityTest, PrometheusSeesExactlyTheTokensTheRoutingSent) {
   // The rank-up gauge and balancedness are there too.
   EXPECT_EQ(prometheus.Query("sum(moe_rank_up)")[0]["value"][1].get<std::string>(), "3");
   EXPECT_FALSE(prometheus.Query("moe_load_balancedness{layer=\"1\"}").empty());
+
+  // A rank gone (its experts have no other replica): the gateway's /readyz says so, with why.
+  cluster.rank(0).Signal(SIGKILL);
+  std::string readyz;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < until) {
+    readyz = Shell(absl::StrCat("curl -s -i http://127.0.0.1:", cluster.gateway_metrics_port(),
+                                "/readyz"));
+    if (readyz.find("503") != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_NE(readyz.find("HTTP/1.1 503"), std::string::npos) << readyz;
+  EXPECT_NE(readyz.find("not ready: 2 of 3 ranks up"), std::string::npos) << readyz;
 }
 
 double Report(LocalCluster& cluster, int layer, moe::v1::LoadBalanceReport* report) {
