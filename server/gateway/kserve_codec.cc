@@ -198,4 +198,27 @@ void FillKServeModelMetadata(int layer, int64_t hidden_size, int top_k, absl::st
   add(response->mutable_outputs(), kKServeRoutingWeights, "FP32", top_k);
 }
 
+void FillKServeModelConfig(int layer, int64_t hidden_size, int top_k,
+                           inference::ModelConfigResponse* response) {
+  inference::ModelConfig* config = response->mutable_config();
+  config->set_name(KServeModelName(layer));
+  config->set_backend("moe-serve");
+  config->set_max_batch_size(0);
+  inference::ModelInput* input = config->add_input();
+  input->set_name(kKServeInput);
+  input->set_data_type(inference::TYPE_BF16);  // as the metadata: the model's own dtype
+  input->add_dims(-1);
+  input->add_dims(hidden_size);
+  auto add = [config](const char* name, inference::DataType type, int64_t width) {
+    inference::ModelOutput* output = config->add_output();
+    output->set_name(name);
+    output->set_data_type(type);
+    output->add_dims(-1);
+    output->add_dims(width);
+  };
+  add(kKServeOutput, inference::TYPE_BF16, hidden_size);
+  add(kKServeExpertIds, inference::TYPE_INT32, top_k);
+  add(kKServeRoutingWeights, inference::TYPE_FP32, top_k);
+}
+
 }  // namespace moe

@@ -49,5 +49,9 @@ void ToModelInferResponse(const inference::ModelInferRequest& request, const KSe
 // Metadata of a layer model: H = hidden size, k = routed experts per token.
 void FillKServeModelMetadata(int layer, int64_t hidden_size, int top_k, absl::string_view platform,
                              inference::ModelMetadataResponse* response);
+// The same model as Triton's read-only configuration (the ModelConfig extension): no batch
+// dimension of its own (max_batch_size 0), the tensors of the metadata.
+void FillKServeModelConfig(int layer, int64_t hidden_size, int top_k,
+                           inference::ModelConfigResponse* response);
 
 }  // namespace moe

@@ -9,13 +9,17 @@
 namespace moe {
 
 // Every method registered streamed (read_after_admission.h): admitted on metadata, then read.
-using KServeServiceBase = inference::GRPCInferenceService::WithStreamedUnaryMethod_ServerLive<
-    inference::GRPCInferenceService::WithStreamedUnaryMethod_ServerReady<
-        inference::GRPCInferenceService::WithStreamedUnaryMethod_ModelReady<
-            inference::GRPCInferenceService::WithStreamedUnaryMethod_ServerMetadata<
-                inference::GRPCInferenceService::WithStreamedUnaryMethod_ModelMetadata<
-                    inference::GRPCInferenceService::WithStreamedUnaryMethod_ModelInfer<
-                        inference::GRPCInferenceService::Service>>>>>>;
+using KServeService = inference::GRPCInferenceService;
+using KServeServiceBase = KServeService::WithStreamedUnaryMethod_ServerLive<
+    KServeService::WithStreamedUnaryMethod_ServerReady<
+        KServeService::WithStreamedUnaryMethod_ModelReady<
+            KServeService::WithStreamedUnaryMethod_ServerMetadata<
+                KServeService::WithStreamedUnaryMethod_ModelMetadata<
+                    KServeService::WithStreamedUnaryMethod_ModelInfer<
+                        KServeService::WithStreamedUnaryMethod_ModelConfig<
+                            KServeService::WithStreamedUnaryMethod_ModelStatistics<
+                                KServeService::WithStreamedUnaryMethod_RepositoryIndex<
+                                    KServeService::Service>>>>>>>>>;
 
 class KServeServiceImpl final : public KServeServiceBase {
  public:
@@ -47,6 +51,23 @@ class KServeServiceImpl final : public KServeServiceBase {
       grpc::ServerContext* context,
       grpc::ServerUnaryStreamer<inference::ModelInferRequest, inference::ModelInferResponse>*
           stream) override;
+  // Triton's extensions, caller access as well.
+  grpc::Status ModelStreamInfer(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<inference::ModelStreamInferResponse, inference::ModelInferRequest>*
+          stream) override;
+  grpc::Status StreamedModelConfig(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::ModelConfigRequest, inference::ModelConfigResponse>*
+          stream) override;
+  grpc::Status StreamedModelStatistics(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::ModelStatisticsRequest,
+                                inference::ModelStatisticsResponse>* stream) override;
+  grpc::Status StreamedRepositoryIndex(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<inference::RepositoryIndexRequest,
+                                inference::RepositoryIndexResponse>* stream) override;
 
  private:
   bool Serving() const;

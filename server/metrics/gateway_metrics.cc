@@ -240,6 +240,19 @@ void GatewayMetrics::OnRequest(int layer, int grpc_code, absl::Duration latency,
     return;
   }
   requests_->Add({{"layer", L(layer)}, {"code", GrpcCodeName(grpc_code)}}).Increment();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    InferenceStats& stats = inference_[layer];
+    if (grpc_code == 0) {
+      ++stats.success_count;
+      stats.success_time += latency;
+      stats.queue_time += queue;
+    } else {
+      ++stats.fail_count;
+      stats.fail_time += latency;
+    }
+    stats.last_request = absl::Now();
+  }
   if (grpc_code == 0) {
     request_seconds_->Add({{"layer", L(layer)}}, LatencyBuckets())
         .Observe(absl::ToDoubleSeconds(latency));
@@ -335,6 +348,7 @@ void GatewayMetrics::OnStep(const StepStats& s) {
   std::function<void(int, const std::vector<float>&, int64_t)> sink;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    ++inference_[s.layer].steps;
     LayerWindow& w = windows_[s.layer];
     if (w.rank_sum.empty()) w.rank_sum.assign(R, 0);
     if (w.expert_sum.empty()) w.expert_sum.assign(experts.size(), 0);
@@ -379,6 +393,12 @@ void GatewayMetrics::RefreshWindows() {
     Expire(w, now);
     SetWindowGauges(layer, w);
   }
+}
+
+InferenceStats GatewayMetrics::Inference(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = inference_.find(layer);
+  return it == inference_.end() ? InferenceStats() : it->second;
 }
 
 LayerLoad GatewayMetrics::Load(int layer) const {

@@ -44,6 +44,15 @@ struct LayerLoad {
   double expert_balancedness = 1.0;    // mean / max over experts
 };
 
+// A layer's requests since the start, as Triton's statistics extension reports them.
+struct InferenceStats {
+  int64_t success_count = 0, fail_count = 0;
+  absl::Duration success_time, fail_time;  // end to end, summed
+  absl::Duration queue_time;               // of the successful ones, until their first step
+  int64_t steps = 0;                       // executions (several requests share one)
+  absl::Time last_request = absl::UnixEpoch();
+};
+
 class GatewayMetrics final : public StepObserver {
  public:
   GatewayMetrics(const MoeConfig& config, const std::vector<int>& layers,
@@ -80,6 +89,8 @@ class GatewayMetrics final : public StepObserver {
   void OnDroppedResult(int rank);
 
   LayerLoad Load(int layer) const;
+  // Zeros for a layer that is not served.
+  InferenceStats Inference(int layer) const;
 
   // Optional consumer of every step's router scores (Quantile Balancing windows).
   void SetScoreSink(
@@ -140,6 +151,7 @@ class GatewayMetrics final : public StepObserver {
 
   mutable std::mutex mu_;
   mutable std::map<int, LayerWindow> windows_;  // aged on read too
+  std::map<int, InferenceStats> inference_;     // served layers only
   std::function<void(int, const std::vector<float>&, int64_t)> score_sink_;
 };
 

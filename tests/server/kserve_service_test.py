@@ -286,6 +286,25 @@ class KServeServiceTest(ClusterFixture):
         self.assertTrue(report["live"] and report["ready"] and report["model_ready"])
         self.assertFalse(report["unknown_model_ready"])
         self.assertEqual(report["unknown_model_infer_status"], "StatusCode.NOT_FOUND")
+        # Triton's extensions.
+        self.assertEqual(len(report["stream_errors"]), 1, report["stream_errors"])
+        self.assertIn("layer 99 is not served", report["stream_errors"][0])
+        self.assertEqual(report["config"], {
+            "name": "moe-layer-1", "max_batch_size": 0,
+            "inputs": [["hidden_states", "TYPE_BF16", ["-1", str(HIDDEN)]]],
+            "outputs": ["output", "expert_ids", "routing_weights"]})
+        self.assertEqual(report["index"], [["moe-layer-1", "1", "READY"], ["moe-layer-2", "1", "READY"]])
+        for extension in ("model_configuration", "statistics", "model_repository"):
+            self.assertIn(extension, report["extensions"])
+        # Statistics count what this check sent (unary and streamed, 2 requests per case) on top of
+        # what the other tests sent before; times add up: queue + compute = success.
+        for model in ("moe-layer-1", "moe-layer-2"):
+            stats = report["stats"][model]
+            sent = 2 * sum(1 for c in cases if c["model"] == model)
+            self.assertGreaterEqual(stats["inference_count"], sent, stats)
+            self.assertEqual(stats["success"], stats["inference_count"])
+            self.assertGreater(stats["execution_count"], 0)
+            self.assertEqual(stats["queue_ns"] + stats["compute_ns"], stats["success_ns"])
         for case in cases:
             i = case["index"]
             x = np.load(os.path.join(work, f"x{i}.npy"))
@@ -293,6 +312,8 @@ class KServeServiceTest(ClusterFixture):
             want, routing = self.forward(int(case["model"].rsplit("-", 1)[1]), x, dtype)
             got = np.load(os.path.join(work, f"y{i}.npy"))
             np.testing.assert_array_equal(got.astype(np.float32), want, err_msg=str(case))
+            streamed = np.load(os.path.join(work, f"ys{i}.npy"))  # ModelStreamInfer
+            np.testing.assert_array_equal(streamed.astype(np.float32), want, err_msg=str(case))
             np.testing.assert_array_equal(np.load(os.path.join(work, f"ids{i}.npy")).ravel(),
                                           np.asarray(routing.expert_ids).ravel(), err_msg=str(case))
 
@@ -318,6 +339,10 @@ class KServeServiceTest(ClusterFixture):
                              capture_output=True, text=True, timeout=240, env=env)
         self.assertEqual(run.returncode, 0, run.stdout[-3000:] + run.stderr[-3000:])
         self.assertIn("Throughput:", run.stdout)
+        # The server-side breakdown from the statistics extension (queue and compute).
+        self.assertRegex(run.stdout, r"Server:\s*\n\s*Inference count: [1-9]", run.stdout[-3000:])
+        self.assertRegex(run.stdout, r"queue \d+ usec \+ compute input \d+ usec \+ compute infer [1-9]\d* usec",
+                         run.stdout[-3000:])
         after = self.request_counts(1)
         self.assertGreater(after["OK"] - before["OK"], 10)  # served, and counted as Forward's are
         self.assertEqual({code: after[code] - before[code] for code in after if code != "OK"},

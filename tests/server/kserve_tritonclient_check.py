@@ -4,7 +4,9 @@
 
 Calls the gateway the way a Triton user would (tritonclient.grpc.InferenceServerClient), reading
 WORKDIR/cases.json and x<i>.npy, writing y<i>.npy (output), ids<i>.npy (expert_ids) and
-report.json. The comparison with moe.v1 Forward is the caller's. Also compares
+report.json; the same cases again on one ModelStreamInfer stream (ys<i>.npy), then the statistics,
+the model configuration and the repository index into the report. The comparison with moe.v1
+Forward is the caller's. Also compares
 PROTO_DIR/inference/grpc_service.proto with tritonclient's own descriptors, field for field.
 """
 
@@ -17,6 +19,7 @@ import tempfile
 import numpy as np
 import tritonclient.grpc as triton
 from google.protobuf import descriptor_pb2, descriptor_pool
+from tritonclient.grpc import model_config_pb2 as triton_config_pb
 from tritonclient.grpc import service_pb2 as triton_pb
 from tritonclient.utils import InferenceServerException
 
@@ -45,7 +48,9 @@ def compare_proto_with_protoc(proto_dir):
     ours = pool.FindFileByName(files.file[0].name)
     total = same = 0
     for name, message in ours.message_types_by_name.items():
-        theirs = proto_fields(triton_pb.DESCRIPTOR.message_types_by_name[name])
+        # ModelConfig and its parts live in tritonclient's model_config.proto.
+        theirs = proto_fields(triton_pb.DESCRIPTOR.message_types_by_name.get(name) or
+                              triton_config_pb.DESCRIPTOR.message_types_by_name[name])
         for key, value in proto_fields(message).items():
             total += 1
             if theirs.get(key) == value:
@@ -87,6 +92,48 @@ def main():
         assert result.get_output("output").datatype == datatype, result.get_output("output")
         np.save(os.path.join(work, f"y{i}.npy"), result.as_numpy("output"))
         np.save(os.path.join(work, f"ids{i}.npy"), result.as_numpy("expert_ids"))
+    # The same requests on one stream, answered in order; one bad request in the middle gets its
+    # error on the stream and the stream goes on.
+    import queue
+    answers = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    for case in cases:
+        i = case["index"]
+        x = np.load(os.path.join(work, f"x{i}.npy"))
+        tensor = triton.InferInput("hidden_states", list(x.shape), case["datatype"])
+        tensor.set_data_from_numpy(x.astype(np.float16) if case["datatype"] == "FP16" else x)
+        client.async_stream_infer(case["model"], [tensor], request_id=f"stream-{i}",
+                                  outputs=[triton.InferRequestedOutput("output")])
+        if i == 0:
+            bad = triton.InferInput("hidden_states", [1, 4], "FP32")
+            bad.set_data_from_numpy(np.ones((1, 4), np.float32))
+            client.async_stream_infer("moe-layer-99", [bad], request_id="stream-bad")
+    stream_errors = []
+    for _ in range(len(cases) + 1):
+        result, error = answers.get(timeout=60)
+        if error is not None:
+            stream_errors.append(str(error))
+            continue
+        i = int(result.get_response().id.split("-")[1])
+        np.save(os.path.join(work, f"ys{i}.npy"), result.as_numpy("output"))
+    client.stop_stream()
+    report["stream_errors"] = stream_errors
+    config = client.get_model_config("moe-layer-1", as_json=True)["config"]
+    report["config"] = {"name": config["name"], "max_batch_size": config.get("max_batch_size", 0),
+                        "inputs": [(t["name"], t["data_type"], t["dims"]) for t in config["input"]],
+                        "outputs": [t["name"] for t in config["output"]]}
+    stats = client.get_inference_statistics(as_json=True)["model_stats"]
+    report["stats"] = {m["name"]: {"inference_count": int(m.get("inference_count", 0)),
+                                   "execution_count": int(m.get("execution_count", 0)),
+                                   "success": int(m["inference_stats"]["success"].get("count", 0)),
+                                   "success_ns": int(m["inference_stats"]["success"].get("ns", 0)),
+                                   "queue_ns": int(m["inference_stats"]["queue"].get("ns", 0)),
+                                   "compute_ns": int(m["inference_stats"]["compute_infer"].get("ns", 0)),
+                                   "fail": int(m["inference_stats"]["fail"].get("count", 0))}
+                       for m in stats}
+    index = client.get_model_repository_index(as_json=True)["models"]
+    report["index"] = sorted((m["name"], m.get("version"), m.get("state")) for m in index)
+    report["extensions"] = client.get_server_metadata(as_json=True).get("extensions", [])
     try:
         tensor = triton.InferInput("hidden_states", [1, 4], "FP32")
         tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
