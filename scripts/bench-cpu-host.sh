@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU tier measurements of the README's performance section, on this host, in one command:
+# The CPU tier measurements of docs/PERFORMANCE.md, on this host, in one command:
 # the full Kimi K3 layer (896 MXFP4 experts) and Kimi K2 layer (384 FP8 experts) through
 # `moe-bench layer` (JSON, gnuplot chart, stage and x-roofline charts), then the table of each
 # run against the CPU targets (K3 within 2x of the roofline at 1-256 tokens, K2 within 2.5x at
@@ -13,7 +13,7 @@
 #   a proxy run (e.g. avx2 on an AVX-512 host): the run's label and its files say so.
 # --ckpt-dir: where the synthetic full-size checkpoints live (~15 GB each), generated with
 #   moe-ckpt on first use (default $MOE_CKPT_DIR, else out/ckpt).
-# --out: where the JSON and charts go (default out/bench; docs/bench is what the README cites).
+# --out: where the JSON and charts go (default out/bench; docs/bench is what docs/PERFORMANCE.md cites).
 # --host-label: the host's name in file names (default: the CPU family from /proc/cpuinfo, e.g.
 #   zen3 or intel-6-85).
 # Needs a Release build in build/ (cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release), or

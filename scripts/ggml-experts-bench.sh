@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # llama.cpp's CPU MoE path (ggml's mul_mat_id on MXFP4) for the routed experts of Kimi K3, timed
-# on this host: the reference point the README pairs with `moe-bench layer`'s experts stage.
+# on this host: the reference point docs/PERFORMANCE.md pairs with `moe-bench layer`'s experts stage.
 #
 #   scripts/ggml-experts-bench.sh GGML_SRC [--isa avx2|native] [-- ggml-experts-bench flags]
 #
-# GGML_SRC: a ggml source tree (github.com/ggml-org/ggml; the README's pairing used d99724f2).
+# GGML_SRC: a ggml source tree (github.com/ggml-org/ggml; docs/PERFORMANCE.md's pairing used d99724f2).
 # --isa avx2: ggml built for AVX2 + FMA + F16C only, the counterpart of the avx2 tier (forced or
 #   not); native (default): for this host's CPU. Flags after -- go to the benchmark (defaults:
 #   --experts 896 --top-k 16 --hidden 3584 --expert-hidden 3072 --tokens 1,4,16,64,256

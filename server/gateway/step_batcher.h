@@ -33,7 +33,7 @@ struct BatcherOptions {
   // step of a large one: on k3-mini, 2 ranks, 2 cores, a 1-token call behind back-to-back
   // 4096-token requests waited 179 ms (p90) with 4096, 126 ms with 1024, 69 ms with 512, for
   // 3% and 10% more time on the 4096-token request. Steps too small to amortize the expert
-  // weights cost more on memory-bound GPUs: raise it there (README, gateway flags).
+  // weights cost more on memory-bound GPUs: raise it there (docs/CLI.md, moe-gateway).
   int64_t max_tokens_per_step = 1024;
   absl::Duration max_wait = absl::ZeroDuration();  // how long an idle layer waits to fill a step
   absl::Duration step_timeout = absl::Seconds(60);    // bound on a step's exchange with the ranks

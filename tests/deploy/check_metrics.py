@@ -8,7 +8,8 @@ metric names exist (histograms as _bucket/_sum/_count), label matchers, by/witho
 legends and $labels.* in annotations name labels those metrics carry (or job/instance and the
 target labels our scrape configs add), histogram_quantile runs over a _bucket series grouped by le.
 Also: the dashboard is valid Grafana JSON (schemaVersion >= 36, unique panel ids, 24-column grid,
-datasource variable), and it keeps the panels the deployment promises.
+datasource variable), and it keeps the panels the deployment promises; and every moe_* series the
+README and the docs pages name is one the code exports.
 
 The Quantile Balancing gauges moe_qb_predicted_balancedness / moe_qb_observed_balancedness are
 accepted (label layer) even when the sources do not define them yet.
@@ -29,13 +30,15 @@ ALLOWED_PENDING = {
     "moe_qb_predicted_balancedness": ("gauge", {"layer"}),
     "moe_qb_observed_balancedness": ("gauge", {"layer"}),
 }
-# Metrics every panel list of the deployment promises (README "## Deployment").
+# Metrics every panel list of the deployment promises (docs/OBSERVABILITY.md, "Grafana").
 REQUIRED_ON_DASHBOARD = [
     "moe_rank_tokens_total", "moe_load_balancedness", "moe_forward_stage_duration_seconds_bucket",
     "moe_requests_total", "moe_qb_predicted_balancedness", "moe_qb_observed_balancedness", "moe_rank_up",
     "moe_rank_weight_bytes", "moe_transport_gateway_to_rank_bytes_total", "moe_transport_rank_to_gateway_bytes_total",
     "moe_request_duration_seconds_bucket", "moe_step_tokens_bucket", "moe_requests_in_flight", "moe_queue_tokens",
-    "moe_expert_tokens_total",
+    "moe_expert_tokens_total", "moe_rank_active_experts", "moe_experts_unavailable", "moe_failovers_total",
+    "moe_redispatched_rows_total", "moe_placement_generation", "moe_placement_changes_total", "moe_auth_failures_total",
+    "moe_stream_buffer_bytes",
 ]
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
                 "offset"}
@@ -234,6 +237,21 @@ def check_alerts(path, series, extra, failures):
     return count
 
 
+def check_docs(source_dir, families, series, failures):
+    """Every moe_* series named in README.md and docs/**/*.md is exported (histograms also as
+    _bucket/_sum/_count). Python names (moe_serve...) and file names (moe_reference.py) are not
+    series."""
+    count = 0
+    for page in [source_dir / "README.md"] + sorted((source_dir / "docs").rglob("*.md")):
+        for name in sorted(set(re.findall(r"(?<![\w/.])(moe_[a-z0-9_]*[a-z0-9])(?![\w(]|\.\w)", page.read_text()))):
+            if name.startswith("moe_serve"):
+                continue
+            count += 1
+            failures.check(name in series or name in families, f"{page.relative_to(source_dir)} names the series {name}, which the code "
+                           "does not export")
+    return count
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--source-dir", default=str(dc.SOURCE_DIR))
@@ -245,8 +263,9 @@ def main():
     extra = target_labels(source)
     panels = check_dashboard(source / "deploy" / "grafana" / "dashboards" / "moe.json", series, extra, failures)
     alerts = check_alerts(source / "deploy" / "prometheus" / "alerts.yml", series, extra, failures)
-    failures.finish(f"{len(families) - len(pending)} metric families in the code; dashboard ({panels} panels) and "
-                    f"{alerts} alert rules use only those"
+    documented = check_docs(source, families, series, failures)
+    failures.finish(f"{len(families) - len(pending)} metric families in the code; dashboard ({panels} panels), "
+                    f"{alerts} alert rules and the {documented} series the docs name use only those"
                     + (f" (accepted before the code has them: {', '.join(pending)})" if pending else ""))
 
 

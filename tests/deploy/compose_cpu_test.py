@@ -123,7 +123,7 @@ class ComposeRun:
     # ---- planning --------------------------------------------------------------------------------
 
     def make_secrets(self):
-        """A CA, the gateway's certificate and a cluster token, as the README makes them."""
+        """A CA, the gateway's certificate and a cluster token, as docs/DEPLOYMENT.md makes them."""
         self.secrets_dir = self.work / "secrets"
         out = subprocess.run(["bash", str(dc.SOURCE_DIR / "scripts" / "make-certs.sh"), str(self.secrets_dir)],
                              capture_output=True, text=True, timeout=120)

@@ -17,7 +17,7 @@ SOURCE_DIR = Path(__file__).resolve().parents[2]
 
 # The binaries the images ship (docker/Dockerfile*, runtime stage).
 BINARIES = ("moe-gateway", "moe-rank", "moe-client", "moe-ckpt", "moe-forward", "moe-cluster")
-CLIENT_COMMANDS = ("forward", "health", "info", "load")
+CLIENT_COMMANDS = ("forward", "health", "info", "load", "placement", "balance", "set-bias")
 # Scripts the images ship next to the binaries (docker/).
 SCRIPTS = ("moe-rank-probe",)
 

@@ -1,11 +1,11 @@
 #!/usr/bin/python3
-"""The README's quick commands (the block under "## Binaries" that starts with moe-ckpt) run as
+"""The README's quick commands (the block under "## Quick start" that starts with moe-ckpt) run as
 written: the block is taken from README.md, given a free port and a scratch checkpoint path, and
 run by bash -e in a scratch directory whose build/ is the build tree. It must exit 0, the cluster
 it starts must exit 0 after the block's `kill %1`, and the two forwards of the same input must
 give the same bytes.
 
-The Python client's example (the block of "### Python client" that starts with the venv) runs as
+The Python client's example (the block under "## Clients" that starts with the venv) runs as
 written too, against that cluster just before the `kill %1`: given the same port, a scratch venv
 path, and a copy of client/python as its ./client/python (pip builds in the source directory). It
 must print a bf16 [4, 640] output with its routing and the NOT_FOUND of layer 99.

@@ -1,5 +1,5 @@
 // ggml-experts-bench: llama.cpp's CPU MoE path for the routed experts, timed on this host, as the
-// reference point for `moe-bench layer`'s experts stage (the README's ggml pairing).
+// reference point for `moe-bench layer`'s experts stage (the ggml pairing of docs/PERFORMANCE.md).
 //
 // The graph is the one llama.cpp builds for a MoE FFN: ggml_mul_mat_id for the gate and up
 // projections of every (token, expert) pair, SwiGLU, ggml_mul_mat_id for the down projection,
