@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "core/flags.h"
 #include "core/status.h"
+#include "core/version.h"
 #include "engine/local_layer.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/tiers.h"
@@ -530,6 +531,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "moe-bench: %s\n", s.ToString().c_str());
       return 1;
     }
+    return 0;
+  }
+  if (command == "--version") {  // as every binary's flags answer it
+    std::printf("moe-bench %s (commit %s)\n", moe::Version(), moe::GitCommit());
     return 0;
   }
   if (command != "layer") {

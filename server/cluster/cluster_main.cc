@@ -571,8 +571,8 @@ int Cluster::Run() {
         ready = true;
         probes_.clear();
         if (G == 1) {
-          std::printf("moe-cluster: ready on %s (%d ranks)\n", public_addresses[0].c_str(),
-                      options_.ranks);
+          std::printf("moe-cluster: ready on %s (%d rank%s)\n", public_addresses[0].c_str(),
+                      options_.ranks, options_.ranks == 1 ? "" : "s");
         } else {
           std::printf("moe-cluster: ready on %s (%d ranks, %d gateways)\n",
                       absl::StrJoin(public_addresses, ",").c_str(), options_.ranks, G);

@@ -502,7 +502,8 @@ void Gateway::OnRankState(int rank, bool up) {
     std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
                  ReadinessMessage().c_str());
   if (all_up && control_->membership().num_up() == options_.num_ranks)
-    std::fprintf(stderr, "moe-gateway: ready (%d ranks)\n", options_.num_ranks);
+    std::fprintf(stderr, "moe-gateway: ready (%d rank%s)\n", options_.num_ranks,
+                 options_.num_ranks == 1 ? "" : "s");
   else if (all_up)
     std::fprintf(stderr, "moe-gateway: serving degraded (%s): every expert has a live replica\n",
                  ReadinessMessage().c_str());

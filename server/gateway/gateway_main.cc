@@ -33,9 +33,12 @@ int main(int argc, char** argv) {
   int64_t heartbeat_ms = 500, rank_timeout_ms = 3000;
   moe::Flags flags(
       "usage: moe-gateway --checkpoint DIR --ranks N [--port P] [options]\n\n"
-      "Serves moe.v1.MoeService (Forward, ForwardStream, GetModelInfo), MoeDiagnostics,\n"
-      "grpc.health.v1 and server reflection on --port, and the ranks' control plane on\n"
-      "--control-port; ready (SERVING) once every rank has registered and loaded its experts.");
+      "Serves moe.v1.MoeService (Forward, ForwardStream, GetModelInfo), MoeDiagnostics, the\n"
+      "Open Inference Protocol (inference.GRPCInferenceService: KServe v2 and Triton's stream,\n"
+      "config, statistics and repository extensions; model moe-layer-L), grpc.health.v1 and\n"
+      "server reflection on --port, and the ranks' control plane on --control-port; ready\n"
+      "(SERVING) once every rank has registered and loaded its experts. --metrics-port serves\n"
+      "/metrics, /healthz and /readyz.");
   flags.String("checkpoint", &options.checkpoint, "checkpoint directory");
   flags.Int("ranks", &options.num_ranks, "number of expert ranks");
   flags.Range("ranks", 1, 4096);

@@ -173,7 +173,8 @@ class ClusterTest : public ::testing::Test {
   }
 
   std::string ReadyLine(int ranks) const {
-    return absl::StrCat("moe-cluster: ready on 127.0.0.1:", port_, " (", ranks, " ranks)");
+    return absl::StrCat("moe-cluster: ready on 127.0.0.1:", port_, " (", ranks,
+                        ranks == 1 ? " rank)" : " ranks)");
   }
 
   bool WaitForStdout(const std::string& line, absl::Duration timeout = absl::Seconds(30)) {

@@ -67,7 +67,7 @@ class ComposeFile:
         self.external = {}
         for name, spec in self.config["services"].items():
             image = str(spec.get("image", ""))
-            if image.startswith(("prom/prometheus", "grafana/grafana")):
+            if image.startswith(("docker.io/prom/prometheus", "docker.io/grafana/grafana")):
                 self.external[name] = spec
                 continue
             argv = dc.strip_init(dc.as_argv(spec.get("entrypoint")) + dc.as_argv(spec.get("command")))
@@ -314,7 +314,7 @@ class ComposeFile:
 
     def check_prometheus(self):
         f, where = self.f, self.path.name
-        proms = [s for s in self.external.values() if str(s.get("image", "")).startswith("prom/prometheus")]
+        proms = [s for s in self.external.values() if str(s.get("image", "")).startswith("docker.io/prom/prometheus")]
         if not f.check(len(proms) == 1, f"{where}: expected one Prometheus service"):
             return
         config_arg = next((a for a in dc.as_argv(proms[0].get("command")) if a.startswith("--config.file=")), "")

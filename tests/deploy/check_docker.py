@@ -133,6 +133,7 @@ class Checker:
         options = set()
         for path in [self.source / "CMakeLists.txt"] + list((self.source / "cmake").glob("*.cmake")):
             options |= set(re.findall(r"option\((\w+)", path.read_text()))
+            options |= set(re.findall(r"set\((\w+) [^)]* CACHE ", path.read_text()))
         return options
 
     def project_executables(self):
@@ -228,6 +229,20 @@ class Checker:
             instr.setdefault(i, []).append(rest)
         f.check(any("--from=" + (build_alias or "0") in r for r in instr.get("COPY", [])),
                 f"{where}: the runtime copies nothing from the build stage")
+        # OCI labels: the version is the project's, the revision the commit the binaries report.
+        labels = dict(re.findall(r'(org\.opencontainers\.image\.\w+)="([^"]*)"', " ".join(instr.get("LABEL", []))))
+        args = dict(a.split("=", 1) for a in instr.get("ARG", []) if "=" in a)
+        version = re.search(r"project\([^)]*VERSION (\d+\.\d+\.\d+)", (self.source / "CMakeLists.txt").read_text())
+        f.check(labels.get("org.opencontainers.image.version") == "${MOE_VERSION}" and version is not None
+                and args.get("MOE_VERSION") == version.group(1),
+                f"{where}: LABEL org.opencontainers.image.version must be ${{MOE_VERSION}}, its ARG default the "
+                f"project's VERSION ({version.group(1) if version else '?'}), not {args.get('MOE_VERSION')}")
+        for key in ("title", "description", "licenses"):
+            f.check(labels.get(f"org.opencontainers.image.{key}"), f"{where}: no LABEL org.opencontainers.image.{key}")
+        f.check(labels.get("org.opencontainers.image.revision") == "${MOE_COMMIT}",
+                f"{where}: LABEL org.opencontainers.image.revision must be ${{MOE_COMMIT}}")
+        f.check("-DMOE_GIT_COMMIT=${MOE_COMMIT}" in build_run,
+                f"{where}: the build must pass -DMOE_GIT_COMMIT=${{MOE_COMMIT}} (the context has no .git)")
         user = (instr.get("USER") or [""])[-1].split(":")[0]
         f.check(user == "10001", f"{where}: USER {user}, expected the numeric uid 10001")
         f.check(any("10001" in r and "useradd" in r for r in instr.get("RUN", [])),

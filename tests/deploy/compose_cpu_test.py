@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deploy_common as dc  # noqa: E402
 
 LOCAL = "127.0.0.1"
-EXTERNAL_IMAGES = ("prom/prometheus", "grafana/grafana")
+EXTERNAL_IMAGES = ("docker.io/prom/prometheus", "docker.io/grafana/grafana")
 
 
 def log(message):
@@ -668,7 +668,7 @@ class ComposeRun:
         return out
 
     def check_metrics_and_prometheus(self):
-        prom = [s for s in self.external.values() if str(s.get("image", "")).startswith("prom/prometheus")]
+        prom = [s for s in self.external.values() if str(s.get("image", "")).startswith("docker.io/prom/prometheus")]
         if len(prom) != 1:
             fail(f"expected one Prometheus service, found {len(prom)}")
         prom = prom[0]
@@ -734,7 +734,7 @@ class ComposeRun:
 
     def check_grafana(self):
         for spec in self.external.values():
-            if not str(spec.get("image", "")).startswith("grafana/grafana"):
+            if not str(spec.get("image", "")).startswith("docker.io/grafana/grafana"):
                 continue
             mounts = []
             for entry in spec.get("volumes", []):

@@ -186,7 +186,8 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
       absl::SleepFor(absl::Milliseconds(50));
     }
     // With redundant experts a gateway serves before every rank is up: a test starts with all.
-    const std::string all_up = absl::StrCat("ready (", options_.ranks, " ranks)");
+    const std::string all_up =
+        absl::StrCat("ready (", options_.ranks, options_.ranks == 1 ? " rank)" : " ranks)");
     if (g.process->WaitForLog(all_up, std::max(end - absl::Now(), absl::Seconds(1))).empty())
       return absl::DeadlineExceededError(absl::StrCat("not every rank came up:\n", Logs()));
   }
