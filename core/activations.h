@@ -1,6 +1,6 @@
 // Host activation rows in their real dtype: bf16 bits in bf16 mode, fp32 in fp32 mode.
 //
-// NOTES: DESIGN.md's contract rounds every activation between ops to bf16, so in bf16 mode a
+// NOTES: docs/DESIGN.md's contract rounds every activation between ops to bf16, so in bf16 mode a
 // hidden state is a bf16 value from the decoded request to the response: the gateway's service,
 // batcher and engine hold them as bf16 (half the bytes of fp32, and no conversion where they only
 // move). fp32 appears only in the fp32 exactness mode and inside backends and kernels.

@@ -1,4 +1,4 @@
-// Scalar number formats of the numerics contract (DESIGN.md "Numerics").
+// Scalar number formats of the numerics contract (docs/DESIGN.md "Numerics").
 //
 // Everything here is exact bit manipulation: bf16 rounding is round-to-nearest-even,
 // MXFP4 (E2M1 + E8M0 scale) and FP8 E4M3 decode to the exact real value. Usable from

@@ -2,7 +2,7 @@
 //
 // Abseil 20220623 (Debian 12) has no status macros, so they are defined once here.
 // Every function below `main` returns absl::Status / absl::StatusOr<T>; the gRPC
-// services convert to grpc::Status at one place (server/status_conversion.h).
+// services convert to grpc::Status at one place (server/grpc_status.h).
 #pragma once
 
 #include <utility>

@@ -156,7 +156,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
   stats.step_id = next_step_id_.fetch_add(1);
 
   // Route and project.
-  // bf16 rows are the layer's input as DESIGN.md defines it (x is bf16): nothing to round.
+  // bf16 rows are the layer's input as docs/DESIGN.md defines it (x is bf16): nothing to round.
   ASSIGN_OR_RETURN(MatrixView input, ws.Matrix(kInput, tokens, H));
   RETURN_IF_ERROR(backend_->UploadRows(x, input));
   Routing routing;

@@ -1,12 +1,12 @@
 // The compute backend interface: the only thing model math (model/) calls to do arithmetic.
 //
 // Activations are fp32 matrices in the backend's memory. In Precision::kBF16 every op rounds
-// its result to bf16 at the points DESIGN.md "Numerics" names (values stay in fp32 storage,
+// its result to bf16 at the points docs/DESIGN.md "Numerics" names (values stay in fp32 storage,
 // so they are exact bf16 numbers); in kFP32 nothing is rounded. GEMMs read bf16 operands
 // (kBF16) or fp32 operands (kFP32) and always accumulate in fp32.
 //
 // Backends: CPU (kernels/cpu) and CUDA (kernels/cuda). Both are tested op by op against the
-// plain reference loops in kernels/reference.h.
+// plain fp64 reference loops of tests/kernels/test_weights.h.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +48,7 @@ using ConstMatrixView = View2D<const float>;
 using PartialView = View2D<double>;
 using ConstPartialView = View2D<const double>;
 
-// Router hyper-parameters (DESIGN.md "Numerics" step 1).
+// Router hyper-parameters (docs/DESIGN.md "Numerics" step 1).
 struct RoutingParams {
   int num_experts = 0;
   int top_k = 0;

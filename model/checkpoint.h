@@ -1,6 +1,6 @@
 // A MoE checkpoint: config.json + safetensors, with selective loading by layer and expert.
 //
-// Tensor names (DESIGN.md "Checkpoints"):
+// Tensor names (docs/DESIGN.md "Checkpoints"):
 //   K3: [language_model.]model.layers.{L}.block_sparse_moe.{gate.weight,
 //   gate.e_score_correction_bias,
 //       routed_expert_down_proj.weight, routed_expert_norm.weight, routed_expert_up_proj.weight,

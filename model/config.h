@@ -1,6 +1,6 @@
 // The MoE-layer configuration of a checkpoint, read from its Hugging Face config.json.
 //
-// Accepted config.json variants (DESIGN.md "Checkpoints"):
+// Accepted config.json variants (docs/DESIGN.md "Checkpoints"):
 //   Kimi K3:  model_type "kimi_k3" with the model fields nested in `text_config`, or
 //             model_type "kimi_linear" with them at the top level.
 //   Kimi K2:  model_type "kimi_k2" or "deepseek_v3" (DeepSeek-V3 field names), flat.

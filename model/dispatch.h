@@ -1,4 +1,4 @@
-// Expert placement and the per-step dispatch plan (DESIGN.md "Dispatch rule").
+// Expert placement and the per-step dispatch plan (docs/DESIGN.md "Dispatch rule").
 //
 // A token's expert-input row crosses to a rank once, however many of its selected experts
 // live there (rank dedup); with it go the token's local expert ids and gate weights.

@@ -1,4 +1,4 @@
-// The MoE layer's math (DESIGN.md "Numerics"), written once against kernels/backend.h.
+// The MoE layer's math (docs/DESIGN.md "Numerics"), written once against kernels/backend.h.
 //
 //   GatewayLayer: router + top-k, latent down-projection, shared experts, and after the
 //                 combine: rounding, latent RMSNorm, up-projection, + shared.

@@ -1,4 +1,4 @@
-// Synthetic MoE checkpoints in exactly the on-disk formats of DESIGN.md "Checkpoints".
+// Synthetic MoE checkpoints in exactly the on-disk formats of docs/DESIGN.md "Checkpoints".
 //
 // No real Kimi checkpoint can be downloaded here, so demos, tests and benchmarks run on
 // generated ones: config.json (MoeConfigToJson), shards `model-0000i-of-0000N.safetensors`

@@ -1,6 +1,6 @@
 // moe-bench-gpu: one MoE layer of a checkpoint on one GPU (LocalMoeLayer, CUDA backend, all
 // experts on the device), timed at several batch sizes next to the two ceilings measured in
-// the same run (DESIGN.md "Performance model"):
+// the same run (docs/DESIGN.md "Performance model"):
 //   * weight bandwidth: bytes of the weights a forward must read (distinct routed experts
 //     touched + router + latent projections + shared experts) over its time, against the
 //     device-to-device copy bandwidth (bytes read + written, 2 GiB buffers);

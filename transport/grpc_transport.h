@@ -4,7 +4,7 @@
 // a data plane only: the control plane (server/control) runs the streams, their liveness and
 // membership, and hands it results (OnResult) and membership changes (RankDown / RankUp).
 //
-// Wire format per step (DESIGN.md "Dispatch rule"):
+// Wire format per step (docs/DESIGN.md "Dispatch rule"):
 //   gateway -> rank r  StepRequest: rows [num_rows, width] as bf16 (bf16 mode, exact: the
 //                      rows are bf16 values) or fp32, plus per row its local experts and gates.
 //   rank r -> gateway  StepResult: fp64 partial sums [num_rows, width], or an error code.

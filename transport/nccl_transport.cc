@@ -310,7 +310,8 @@ struct NcclGatewayTransport::State {
   int R() const { return options.num_ranks; }
   ReplyHeader* HostReply(int r) { return reinterpret_cast<ReplyHeader*>(host_replies.get()) + r; }
 
-  // Sends a StepHeader to every rank (phase 1); `fill(r, header)` sets the per-rank fields.
+  // Sends a StepHeader to every rank (phase 1): `base` with rank r's row and assignment counts
+  // (empty vectors: zeros, as a shutdown header has).
   absl::Status SendHeaders(const StepHeader& base, const std::vector<int64_t>& rows,
                            const std::vector<int64_t>& assignments) {
     auto* h = reinterpret_cast<StepHeader*>(host_headers.get());

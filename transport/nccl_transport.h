@@ -9,7 +9,7 @@
 // own CUDA stream, which is ordered after the backend's stream by an event:
 //
 //   phase    who -> whom          what (bytes)                         lands in
-//   1 head   gateway -> EVERY r   StepHeader (48 B): magic, kind        rank r: header buffer
+//   1 head   gateway -> EVERY r   StepHeader (56 B): magic, kind        rank r: header buffer
 //                                 (step | shutdown), step_id, layer,
 //                                 precision, num_rows, width,
 //                                 num_assignments (counts first)
@@ -64,7 +64,9 @@ absl::StatusOr<std::string> NewNcclUniqueId();
 struct NcclGatewayOptions {
   int num_ranks = 0;               // R expert ranks; the communicator has R + 1 members
   std::string unique_id;           // NewNcclUniqueId()
-  CudaBackend* backend = nullptr;  // the gateway's: rows are read from, partials land in, it
+  // The gateway's: the rows are read from its device memory and the partials land in it; the
+  // transport's stream waits for its stream's queued work before each step.
+  CudaBackend* backend = nullptr;
   // Create waits at most this long for every rank to join.
   absl::Duration init_timeout = absl::Seconds(120);
   // Bound on draining a step (Abandon) and on Shutdown.

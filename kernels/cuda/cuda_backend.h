@@ -1,5 +1,5 @@
 // The CUDA backend: every op of kernels/backend.h on device memory of one GPU, on one stream
-// the backend owns, with the CPU backend's numerics contract (DESIGN.md "Numerics").
+// the backend owns, with the CPU backend's numerics contract (docs/DESIGN.md "Numerics").
 //
 // Usable from plain C++: no CUDA types here beyond the forward-declared stream handle.
 //

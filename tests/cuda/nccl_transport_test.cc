@@ -1,5 +1,5 @@
 // The NCCL transport between two processes: this test process is the gateway (NCCL rank 1),
-// a child process (this executable again, running NcclRankProcess.Run) is expert
+// a child process (this executable again, main() running RunRankProcess) is expert
 // rank 0. Payloads say where they came from (DeepEP style): the rank answers
 // partial[i][c] = 2 * row[i][c] + sum of row i's gates + step_id, which the gateway checks
 // exactly, element by element.
@@ -72,8 +72,7 @@ pid_t SpawnRank(const std::string& scenario, const std::string& unique_id) {
   std::vector<char*> envp;
   for (auto& s : env) envp.push_back(s.data());
   envp.push_back(nullptr);
-  std::string filter = "--gtest_filter=NcclRankProcess.Run";
-  std::vector<char*> argv = {exe, filter.data(), nullptr};
+  std::vector<char*> argv = {exe, nullptr};
   pid_t pid = -1;
   if (posix_spawn(&pid, exe, nullptr, nullptr, argv.data(), envp.data()) != 0) return -1;
   return pid;
@@ -348,12 +347,10 @@ TEST_F(NcclTransportTest, ARankMarkedDownFailsTheStepInFlightAtOnce) {
   EXPECT_EQ(gateway_->Send(d).code(), absl::StatusCode::kUnavailable);
 }
 
-// The rank process (started by the tests above); skipped when run on its own. Exits the
-// process with 0 on the expected end of its scenario.
-TEST(NcclRankProcess, Run) {
-  const char* role = getenv("MOE_NCCL_TEST_ROLE");
-  if (role == nullptr || std::string(role) != "rank")
-    GTEST_SKIP() << "helper: the rank process of the two-process NCCL tests";
+// The rank process (this executable started again by the tests above, with
+// MOE_NCCL_TEST_ROLE=rank): not a test, main() runs it instead of the tests. Exits the process
+// with 0 on the expected end of its scenario.
+[[noreturn]] void RunRankProcess() {
   const std::string scenario = getenv("MOE_NCCL_TEST_SCENARIO");
   const char* hex = getenv("MOE_NCCL_TEST_ID");
   if (hex == nullptr) std::_Exit(10);
@@ -425,3 +422,10 @@ TEST(NcclRankProcess, Run) {
 
 }  // namespace
 }  // namespace moe
+
+int main(int argc, char** argv) {
+  const char* role = getenv("MOE_NCCL_TEST_ROLE");
+  if (role != nullptr && std::string(role) == "rank") moe::RunRankProcess();
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

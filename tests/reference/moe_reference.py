@@ -4,9 +4,9 @@
 This is the golden implementation the C++ layer is tested against. It shares no code with the
 C++ project: the safetensors reader, the weight decoders and the layer math are transcribed here
 from the format definitions, the seed model code (modeling_kimi_linear.py / modeling_deepseek.py
-moe_infer) and DESIGN.md "Numerics".
+moe_infer) and docs/DESIGN.md "Numerics".
 
-Numerics policy (the contract, DESIGN.md "Numerics"):
+Numerics policy (the contract, docs/DESIGN.md "Numerics"):
   * All arithmetic is done in the `compute` precision (float64 by default; float32 to keep large
     configs fast). Products of bf16 values are exact in float64, so in float64 every GEMM result
     is the exact dot product up to one fp64 rounding: the reference is the contract's real-number
@@ -352,7 +352,7 @@ class MoeConfig:
 
 
 def parse_config(j):
-    """MoeConfig from a parsed config.json (see DESIGN.md "Checkpoints")."""
+    """MoeConfig from a parsed config.json (see docs/DESIGN.md "Checkpoints")."""
     model_type = j.get("model_type", "")
     if model_type in ("kimi_k3", "kimi_linear"):
         # kimi_k3 nests the text model's fields; kimi_linear is flat.
@@ -435,7 +435,7 @@ def load_config(directory):
 
 
 # --------------------------------------------------------------------------------------------
-# Layer weights (tensor names per DESIGN.md "Checkpoints")
+# Layer weights (tensor names per docs/DESIGN.md "Checkpoints")
 # --------------------------------------------------------------------------------------------
 
 

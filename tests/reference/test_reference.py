@@ -225,12 +225,12 @@ def make_k2(directory, layer=1, H=192, I=136, E=16, k=4, n_group=4, topk_group=2
 
 
 def naive_forward(directory, layer, x, mode):
-    """Per-token loop in float64 straight from the DESIGN.md "Numerics" formulas."""
+    """Per-token loop in float64 straight from the docs/DESIGN.md "Numerics" formulas."""
     cfg = ref.load_config(directory)
     rd = ref.SafetensorsReader(directory)
     rb = ref.round_bf16 if mode == "bf16" else (lambda v: v)
     f64 = np.float64
-    # Tensor names spelled out here again (DESIGN.md "Checkpoints"), not taken from the reference.
+    # Tensor names spelled out here again (docs/DESIGN.md "Checkpoints"), not taken from the reference.
     if cfg.family == "k3":
         pre = "language_model.model.layers.%d.block_sparse_moe." % layer
         if not rd.has(pre + "gate.weight"):
