@@ -1,11 +1,16 @@
 """The Python client against the real service: moe-cluster (gateway + 2 ranks, real processes on
-loopback) on a fresh k3-mini checkpoint; every batch is checked against moe-forward bit for bit.
+loopback) on a fresh k3-mini checkpoint; every batch is checked against moe-forward bit for bit,
+ForwardStream results against Forward's, and the example of client/python/README.md runs.
 
 Run by ctest (labels python, service) with MOE_BIN_DIR set; the client is the moe_serve package
-from client/python.
+from client/python. The ml_dtypes (bfloat16 numpy input) test skips without ml_dtypes, and fails
+instead with MOE_REQUIRE_ML_DTYPES=1 (tests/client/python_typecheck_test.py runs
+PythonClientServiceTest so, in its venv).
 """
 
+import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +20,11 @@ import time
 import unittest
 
 import numpy as np
+
+try:
+    import ml_dtypes
+except ImportError:  # not a Debian package: python_typecheck_test.py's venv has it (pinned)
+    ml_dtypes = None
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 import moe_serve  # noqa: E402  pylint: disable=wrong-import-position
@@ -107,6 +117,105 @@ class PythonClientServiceTest(ClusterFixture):
                 np.testing.assert_array_equal(y, want, err_msg=f"layer {layer} shape {shape} {dtype}")
                 self.assertEqual(routing.top_k, 2)
                 self.assertEqual(np.asarray(routing.expert_ids).size, 2 * int(np.prod(shape[:-1])))
+
+    def assert_same_results(self, got, want, routing):
+        self.assertEqual(len(got), len(want))
+        for i, ((y, r), (y1, r1)) in enumerate(zip(got, want)):
+            self.assertEqual((y.dtype, y.shape), (y1.dtype, y1.shape), f"result {i}")
+            np.testing.assert_array_equal(y, y1, err_msg=f"result {i}")
+            if routing:
+                np.testing.assert_array_equal(r.expert_ids, r1.expert_ids, err_msg=f"result {i}")
+                np.testing.assert_array_equal(r.weights, r1.weights, err_msg=f"result {i}")
+            else:
+                self.assertIsNone(r)
+
+    def test_stream_is_bit_identical_to_forward(self):
+        rng = np.random.default_rng(11)
+        xs = [rng.standard_normal(shape).astype(np.float32)
+              for shape in [(3, 640), (1, 640), (2, 4, 640), (7, 640), (5, 640), (1, 2, 640), (2, 640)]]
+        for layer, kwargs in ((1, {"return_routing": True, "output_dtype": "fp32"}), (2, {"dtype": "bf16"})):
+            got = list(self.client.forward_stream(layer, xs, max_in_flight=3, **kwargs))
+            want = [self.client.forward(layer, x, **kwargs) for x in xs]
+            self.assert_same_results(got, want, kwargs.get("return_routing", False))
+        np.testing.assert_array_equal(got[0][0], want[0][0])
+        # A request that fails raises where its result would come.
+        stream = self.client.forward_stream(1, [xs[0], np.ones((1, 64), np.float32), xs[1]])
+        np.testing.assert_array_equal(next(stream)[0], self.client.forward(1, xs[0])[0])
+        with self.assertRaises(moe_serve.MoeError) as ctx:
+            next(stream)
+        self.assertEqual(ctx.exception.code.name, "INVALID_ARGUMENT")
+        self.assertIn("640", ctx.exception.details)
+        with self.assertRaises(moe_serve.MoeError) as ctx:
+            list(self.client.forward_stream(9, xs))
+        self.assertEqual(ctx.exception.code.name, "NOT_FOUND")
+
+        async def run():
+            async with moe_serve.AsyncMoeClient(self.target(), **self.client_kwargs()) as client:
+                return [r async for r in client.forward_stream(2, xs, return_routing=True, max_in_flight=4)]
+
+        self.assert_same_results(asyncio.run(run()), [self.client.forward(2, x, return_routing=True) for x in xs],
+                                 True)
+
+    def test_async_diagnostics_match_the_blocking_client(self):
+        # One gateway (of several, in a subclass): diagnostics are per gateway.
+        gateway = f"127.0.0.1:{self.port}"
+
+        async def run():
+            async with moe_serve.AsyncMoeClient(gateway, **self.client_kwargs()) as client:
+                calls = (await client.health(), await client.info(), await client.load_balance(1),
+                         await client.placement_advice(-1, redundant_experts=2))
+                with self.assertRaises(moe_serve.MoeError) as ctx:
+                    await client.set_router_bias(1, [])
+                return calls, ctx.exception
+
+        with moe_serve.MoeClient(gateway, **self.client_kwargs()) as client:
+            client.forward(1, np.ones((2, 640), np.float32))  # traffic to advise on
+            (health, info, balance, advice), denied = asyncio.run(run())
+            self.assertEqual(health, client.health())
+            self.assertEqual(info.layers, client.info().layers)
+            self.assertEqual((balance.layer, len(balance.expert_tokens)), (1, info.num_experts))
+            sync_advice = client.placement_advice(-1, redundant_experts=2)
+            self.assertEqual(len(advice.predicted_rank_load), len(sync_advice.predicted_rank_load))
+            self.assertTrue(advice.placement)
+            with self.assertRaises(moe_serve.MoeError) as ctx:
+                client.set_router_bias(1, [])
+        # Without --allow-bias-override: refused, the same way for both.
+        self.assertEqual((denied.code.name, denied.details), (ctx.exception.code.name, ctx.exception.details))
+        self.assertEqual(denied.code.name, "PERMISSION_DENIED")
+
+    def test_bfloat16_array_input(self):
+        if ml_dtypes is None:
+            if os.environ.get("MOE_REQUIRE_ML_DTYPES") == "1":
+                self.fail("MOE_REQUIRE_ML_DTYPES=1 but ml_dtypes is not importable")
+            self.skipTest("ml_dtypes is not installed (tests/client/python_typecheck_test.py's venv has it)")
+        x = np.random.default_rng(13).standard_normal((4, 640)).astype(ml_dtypes.bfloat16)
+        as_float = x.astype(np.float32)
+        y, routing = self.client.forward(1, x, output_dtype="fp32", return_routing=True)
+        y32, routing32 = self.client.forward(1, as_float, dtype="fp32", output_dtype="fp32", return_routing=True)
+        np.testing.assert_array_equal(y, y32)
+        np.testing.assert_array_equal(routing.expert_ids, routing32.expert_ids)
+        np.testing.assert_array_equal(y, self.moe_forward(1, as_float))
+        bf16_out, _ = self.client.forward(1, x)  # bf16 on the wire both ways; numpy float32 out
+        self.assertEqual(bf16_out.dtype, np.float32)
+        np.testing.assert_array_equal(bf16_out, self.client.forward(1, as_float, dtype="bf16")[0])
+
+    def test_package_readme_example_runs(self):
+        if self.client_kwargs():
+            self.skipTest("the example calls a plaintext gateway without a token")
+        with open(os.path.join(SOURCE_DIR, "client", "python", "README.md"), encoding="utf-8") as f:
+            blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+        self.assertTrue(blocks)
+        script = "\n".join(blocks).replace("127.0.0.1:50051", self.target())
+        env = dict(os.environ, PYTHONPATH=os.path.join(SOURCE_DIR, "client", "python"))
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        lines = run.stdout.splitlines()
+        self.assertEqual(lines[0].split(" ", 1)[0], "(4,")
+        self.assertEqual(lines[1:4], ["(1, 640)", "(2, 640)", "(3, 640)"])
+        self.assertTrue(lines[4].startswith("NOT_FOUND "), lines[4])
+        self.assertEqual(lines[5], "SERVING")
+        self.assertEqual(lines[6:9], ["(1, 640) 2", "(2, 640) 2", "(3, 640) 2"])
+        float(lines[9])
 
     def test_errors_carry_grpc_codes(self):
         with self.assertRaises(moe_serve.MoeError) as ctx:

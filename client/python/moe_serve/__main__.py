@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from ._tensors import DTYPES
+from ._tensors import DTYPES, FloatArray
 from .client import MoeClient, MoeError
 
 
@@ -48,17 +48,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return 0
             if args.layer is None or not args.input or not args.output:
                 parser.error("forward needs --layer, --input and --output")
-            x = np.load(args.input)
+            x: FloatArray = np.load(args.input)
             want_routing = bool(args.routing_out or args.routing_weights_out)
             y, routing = client.forward(args.layer, x, dtype=args.dtype, output_dtype=args.output_dtype,
                                         return_routing=want_routing, timeout=args.timeout)
-        except MoeError as e:
+        except (MoeError, TypeError, ValueError) as e:  # the call's, or an input it does not take
             print(f"moe_serve: {e}", file=sys.stderr)
             return 1
     np.save(args.output, y)
-    if args.routing_out:
+    if args.routing_out and routing is not None:
         np.save(args.routing_out, routing.expert_ids)
-    if args.routing_weights_out:
+    if args.routing_weights_out and routing is not None:
         np.save(args.routing_weights_out, routing.weights)
     return 0
 
