@@ -87,9 +87,7 @@ struct Connection {
     ClientOptions resolved = options;
     if (absl::Status s = CheckTlsFiles(options.tls, /*server=*/false); !s.ok()) return s;
     if (!token_file.empty()) {
-      absl::StatusOr<std::string> token = ReadTokenFile(token_file);
-      if (!token.ok()) return token.status();
-      resolved.token = *token;
+      ASSIGN_OR_RETURN(resolved.token, ReadTokenFile(token_file));
     }
     return resolved;
   }
@@ -560,17 +558,12 @@ int RunLoad(int argc, char** argv) {
     auto call = [&](moe::v1::ForwardResponse* response) -> absl::Status {
       request.set_layer(layers[round_robin.fetch_add(1) % layers.size()]);
       if (!session) {
-        absl::StatusOr<moe::v1::ForwardResponse> r = client.ForwardRaw(request, timeout);
-        if (!r.ok()) return r.status();
-        *response = *std::move(r);
+        ASSIGN_OR_RETURN(*response, client.ForwardRaw(request, timeout));
         return absl::OkStatus();
       }
       request.set_request_id(absl::StrCat(index, "-", sequence++));
-      absl::StatusOr<std::string> id = session->Send(request);
-      if (!id.ok()) return id.status();
-      absl::StatusOr<moe::v1::ForwardResponse> r = session->ReceiveRaw(*id, timeout);
-      if (!r.ok()) return r.status();
-      *response = *std::move(r);
+      ASSIGN_OR_RETURN(const std::string id, session->Send(request));
+      ASSIGN_OR_RETURN(*response, session->ReceiveRaw(id, timeout));
       return absl::OkStatus();
     };
 

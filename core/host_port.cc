@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 
 namespace moe {
 
@@ -27,23 +28,22 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view entry) {
 }
 
 absl::StatusOr<std::vector<std::string>> ResolveHostPort(absl::string_view entry) {
-  absl::StatusOr<HostPort> parsed = ParseHostPort(entry);
-  if (!parsed.ok()) return parsed.status();
+  ASSIGN_OR_RETURN(const HostPort parsed, ParseHostPort(entry));
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* addresses = nullptr;
-  if (getaddrinfo(parsed->host.c_str(), parsed->port.c_str(), &hints, &addresses) != 0)
+  if (getaddrinfo(parsed.host.c_str(), parsed.port.c_str(), &hints, &addresses) != 0)
     return absl::NotFoundError(absl::StrCat("'", entry, "' does not resolve"));
   std::vector<std::string> v4, v6;
   char text[INET6_ADDRSTRLEN];
   for (addrinfo* a = addresses; a != nullptr; a = a->ai_next) {
     if (a->ai_family == AF_INET) {
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, text, sizeof text);
-      v4.push_back(absl::StrCat(text, ":", parsed->port));
+      v4.push_back(absl::StrCat(text, ":", parsed.port));
     } else if (a->ai_family == AF_INET6) {
       inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, text,
                 sizeof text);
-      v6.push_back(absl::StrCat("[", text, "]:", parsed->port));
+      v6.push_back(absl::StrCat("[", text, "]:", parsed.port));
     }
   }
   freeaddrinfo(addresses);

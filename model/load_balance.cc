@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/status.h"
 
 namespace moe {
 namespace {
@@ -178,12 +179,8 @@ absl::StatusOr<QuantileBalanceResult> QuantileBalance(absl::Span<const float> sc
   for (int e = 0; e < E; ++e) result.bias[e] = result.quantile[e] - mean;
 
   // 4. Selections over the same window with the current and the new bias.
-  auto observed = CountSelections(scores, bias, routing);
-  if (!observed.ok()) return observed.status();
-  auto predicted = CountSelections(scores, result.bias, routing);
-  if (!predicted.ok()) return predicted.status();
-  result.observed_counts = std::move(*observed);
-  result.predicted_counts = std::move(*predicted);
+  ASSIGN_OR_RETURN(result.observed_counts, CountSelections(scores, bias, routing));
+  ASSIGN_OR_RETURN(result.predicted_counts, CountSelections(scores, result.bias, routing));
   result.observed_balancedness = Balancedness(
       std::vector<double>(result.observed_counts.begin(), result.observed_counts.end()));
   result.predicted_balancedness = Balancedness(
@@ -312,17 +309,13 @@ absl::StatusOr<PlacementAdvice> AdvisePlacement(absl::Span<const double> expert_
   }
 
   PlacementAdvice advice;
-  auto placement = ExpertPlacement::FromRankExperts(E, std::move(rank_experts));
-  if (!placement.ok()) return placement.status();
-  advice.placement = std::move(*placement);
+  ASSIGN_OR_RETURN(advice.placement,
+                   ExpertPlacement::FromRankExperts(E, std::move(rank_experts)));
   advice.replica_counts = std::move(replicas);
-  auto predicted = RankLoads(advice.placement, expert_loads);
-  if (!predicted.ok()) return predicted.status();
-  auto current_load = RankLoads(current, expert_loads);
-  if (!current_load.ok()) return current_load.status();
-  advice.predicted_rank_load = std::move(*predicted);
+  ASSIGN_OR_RETURN(advice.predicted_rank_load, RankLoads(advice.placement, expert_loads));
+  ASSIGN_OR_RETURN(const std::vector<double> current_load, RankLoads(current, expert_loads));
   advice.predicted_balancedness = Balancedness(advice.predicted_rank_load);
-  advice.current_balancedness = Balancedness(*current_load);
+  advice.current_balancedness = Balancedness(current_load);
   return advice;
 }
 

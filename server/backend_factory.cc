@@ -21,9 +21,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, 
     return std::unique_ptr<Backend>(std::move(backend));
   }
   if (kind == "cuda") {
-    auto plugin = LoadCudaPlugin();
-    if (!plugin.ok()) return plugin.status();
-    return (*plugin)->create_backend(device);
+    ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
+    return plugin->create_backend(device);
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown backend '", kind, "' (cpu, cuda)"));
 }

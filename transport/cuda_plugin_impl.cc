@@ -1,6 +1,7 @@
 // libmoe_cuda_plugin.so: the CudaPluginApi table of transport/cuda_plugin.h.
 #include "transport/cuda_plugin.h"
 
+#include "core/status.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "transport/nccl_transport.h"
 
@@ -17,9 +18,8 @@ absl::StatusOr<std::unique_ptr<GatewayTransport>> CreateGatewayImpl(const NcclGa
   options.unique_id = setup.unique_id;
   options.backend = static_cast<CudaBackend*>(setup.backend);
   options.init_timeout = setup.init_timeout;
-  auto transport = NcclGatewayTransport::Create(options);
-  if (!transport.ok()) return transport.status();
-  return std::unique_ptr<GatewayTransport>(std::move(*transport));
+  ASSIGN_OR_RETURN(auto transport, NcclGatewayTransport::Create(options));
+  return std::unique_ptr<GatewayTransport>(std::move(transport));
 }
 
 absl::StatusOr<NcclRankSession> CreateRankImpl(const NcclRankSetup& setup) {

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "proto/tensor_codec.h"
 
 namespace moe {
@@ -90,12 +91,9 @@ absl::Status CheckKServeModelVersion(absl::string_view name, absl::string_view v
 absl::StatusOr<KServeCall> ToForwardRequest(const inference::ModelInferRequest& request) {
   KServeCall call;
   moe::v1::ForwardRequest& forward = call.forward;
-  absl::StatusOr<int> layer = KServeModelLayer(request.model_name());
-  if (!layer.ok()) return layer.status();
-  if (absl::Status s = CheckKServeModelVersion(request.model_name(), request.model_version());
-      !s.ok())
-    return s;
-  forward.set_layer(*layer);
+  ASSIGN_OR_RETURN(const int layer, KServeModelLayer(request.model_name()));
+  RETURN_IF_ERROR(CheckKServeModelVersion(request.model_name(), request.model_version()));
+  forward.set_layer(layer);
   forward.set_request_id(request.id());
 
   if (request.inputs_size() != 1 || request.inputs(0).name() != kKServeInput)
@@ -105,24 +103,21 @@ absl::StatusOr<KServeCall> ToForwardRequest(const inference::ModelInferRequest& 
             ? absl::StrCat(" named '", absl::CEscape(request.inputs(0).name().substr(0, 64)), "'")
             : ""));
   const auto& input = request.inputs(0);
-  absl::StatusOr<moe::v1::DType> dtype =
-      DTypeOfDatatype(input.datatype(), absl::StrCat("input '", kKServeInput, "'"));
-  if (!dtype.ok()) return dtype.status();
+  ASSIGN_OR_RETURN(
+      const moe::v1::DType dtype,
+      DTypeOfDatatype(input.datatype(), absl::StrCat("input '", kKServeInput, "'")));
   moe::v1::Tensor* hidden = forward.mutable_hidden_states();
-  hidden->set_dtype(*dtype);
+  hidden->set_dtype(dtype);
   hidden->mutable_shape()->Add(input.shape().begin(), input.shape().end());
-  absl::StatusOr<std::string> bytes = InputBytes(request, *dtype);
-  if (!bytes.ok()) return bytes.status();
-  *hidden->mutable_data() = *std::move(bytes);
+  ASSIGN_OR_RETURN(*hidden->mutable_data(), InputBytes(request, dtype));
 
   if (auto it = request.parameters().find("output_datatype"); it != request.parameters().end()) {
     if (it->second.parameter_choice_case() != inference::InferParameter::kStringParam)
       return absl::InvalidArgumentError(
           "parameter 'output_datatype' must be a string (BF16, FP16 or FP32)");
-    absl::StatusOr<moe::v1::DType> out =
-        DTypeOfDatatype(it->second.string_param(), "parameter 'output_datatype'");
-    if (!out.ok()) return out.status();
-    forward.set_output_dtype(*out);
+    ASSIGN_OR_RETURN(const moe::v1::DType out,
+                     DTypeOfDatatype(it->second.string_param(), "parameter 'output_datatype'"));
+    forward.set_output_dtype(out);
   }
 
   for (const auto& wanted : request.outputs()) {

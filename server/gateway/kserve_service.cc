@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/status.h"
 #include "core/version.h"
 #include "model/config.h"
 #include "server/gateway/kserve_codec.h"
@@ -17,12 +18,11 @@ bool KServeServiceImpl::Serving() const { return gateway_->ready() && !gateway_-
 
 absl::StatusOr<int> KServeServiceImpl::ServedLayer(const std::string& name,
                                                    const std::string& version) const {
-  absl::StatusOr<int> layer = KServeModelLayer(name);
-  if (!layer.ok()) return layer.status();
-  if (absl::Status s = CheckKServeModelVersion(name, version); !s.ok()) return s;
+  ASSIGN_OR_RETURN(const int layer, KServeModelLayer(name));
+  RETURN_IF_ERROR(CheckKServeModelVersion(name, version));
   const std::vector<int>& served = gateway_->engine().layers();
-  if (std::find(served.begin(), served.end(), *layer) == served.end())
-    return absl::NotFoundError(absl::StrCat("model '", name, "': layer ", *layer,
+  if (std::find(served.begin(), served.end(), layer) == served.end())
+    return absl::NotFoundError(absl::StrCat("model '", name, "': layer ", layer,
                                             " is not served (GetModelInfo lists the layers)"));
   return layer;
 }

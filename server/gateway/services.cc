@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/status.h"
 #include "proto/tensor_codec.h"
 #include "server/read_after_admission.h"
 #include "server/gateway/request_validation.h"
@@ -32,9 +33,7 @@ absl::StatusOr<std::shared_ptr<ForwardCall>> MakeCall(Gateway& gateway,
     return absl::UnavailableError(absl::StrCat("not ready: ", gateway.ReadinessMessage()));
   RequestLimits limits{gateway.engine().config().hidden_size, gateway.options().max_request_tokens,
                        gateway.engine().layers(), gateway.engine().precision()};
-  auto v = ValidateForwardRequest(request, limits);
-  if (!v.ok()) return v.status();
-  *validated = std::move(*v);
+  ASSIGN_OR_RETURN(*validated, ValidateForwardRequest(request, limits));
   auto call = std::make_shared<ForwardCall>();
   call->layer = validated->layer;
   call->tokens = validated->tokens;

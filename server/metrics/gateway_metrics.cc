@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "server/metrics/conventions.h"
 #include "server/metrics/exposer.h"
 
@@ -213,9 +214,8 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
 GatewayMetrics::~GatewayMetrics() { server_.reset(); }
 
 absl::Status GatewayMetrics::Serve(const std::string& address) {
-  auto server = MetricsServer::Start(registry_, address, 2, [this] { RefreshWindows(); });
-  if (!server.ok()) return server.status();
-  server_ = std::move(*server);
+  ASSIGN_OR_RETURN(server_,
+                   MetricsServer::Start(registry_, address, 2, [this] { RefreshWindows(); }));
   port_ = server_->port();
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 #include "server/metrics/rank_metrics.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "server/metrics/conventions.h"
 #include "server/metrics/exposer.h"
 
@@ -66,9 +67,7 @@ void RankMetrics::SetBuildInfo(const std::string& backend) {
 }
 
 absl::Status RankMetrics::Serve(const std::string& address) {
-  auto server = MetricsServer::Start(registry_, address, 1);
-  if (!server.ok()) return server.status();
-  server_ = std::move(*server);
+  ASSIGN_OR_RETURN(server_, MetricsServer::Start(registry_, address, 1));
   port_ = server_->port();
   // Ready once registered with a gateway (and loaded: registration follows the load).
   server_->SetReadiness([this]() -> std::string {
