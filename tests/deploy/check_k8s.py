@@ -9,8 +9,12 @@ Semantics:
   - container commands (the image's ENTRYPOINT/CMD from docker/Dockerfile, then command/args,
     $(VAR) expanded from the ConfigMap and env, `sh -c` scripts split into commands) run the
     image's binaries with flags their --help knows, values where needed, required flags present;
-  - exec probes likewise; every container has readiness and liveness probes; the gRPC probe port
-    is the gateway's --port;
+  - exec probes likewise; every gateway and rank container has three probes, each with its own
+    meaning (check_probe_roles): startup and liveness ask /healthz, readiness /readyz, through an
+    httpGet probe on the port the process serves /metrics on (the kubelet connects to the pod IP,
+    so that port must listen there) or moe-rank-probe [--live] PORT; the startup probe allows at
+    least STARTUP_BUDGET_S, the liveness probe less and without initialDelaySeconds; a gRPC probe
+    port is the gateway's --port;
   - ranks and gateway request one nvidia.com/gpu; hostNetwork pods use ClusterFirstWithHostNet;
     a hostNetwork workload of several replicas declares no fixed containerPort; the rank id comes
     from the pod name (under hostNetwork the hostname is the node's);
@@ -23,8 +27,8 @@ Semantics:
     that carries only the control port, and no other Service (the clients' one) carries it; the
     gateway authenticates ranks (no --insecure-cluster; cluster token and/or mTLS) and every rank
     presents that credential (the same Secret key as the gateway's token, or a client
-    certificate); the gateway serves TLS, so its probes are exec probes (the kubelet's gRPC probe is
-    plaintext) whose moe-client verifies it with --tls-ca under a name of the gateway's Service;
+    certificate); the gateway serves TLS, so no kubelet gRPC probe (plaintext) on it, and a
+    moe-client of an exec probe verifies it with --tls-ca under a name of the gateway's Service;
     under hostNetwork the control port and every /metrics listen on the pod IP (status.podIP),
     not on all of the node's interfaces, and no Service carries a metrics port;
   - secrets: every credential file (--tls-*, --*token-file) of a command or probe is a key of a
@@ -35,7 +39,8 @@ Semantics:
   - pods run as the image's non-root uid and carry prometheus.io/scrape;
   - the ranks' `sh -c` wrapper and exec probes really run under /bin/sh (the binaries stubbed)
     for several pod names: pod moe-rank-<i> runs moe-rank --rank <i>, and its probes read the
-    metrics port it serves, on the host the rank binds (MOE_METRICS_HOST).
+    metrics port it serves, on the host the rank binds (MOE_METRICS_HOST); an httpGet probe's port is
+    the one each pod serves.
 
 Overlays (the other directories of deploy/ with a kustomization.yaml, e.g. deploy/k8s-lws; kustomize
 refuses one inside deploy/k8s) are checked the same way, as kustomize builds them: the base's
@@ -50,9 +55,7 @@ startupPolicy LeaderCreated; maxSurge 0; no Service of its own pods, nor objects
 the controller creates; the rank id comes from LWS_WORKER_INDEX (not the pod name or hostname),
 and the wrapper, run for worker indices 0, 1 and size-1 with the variables the controller sets,
 runs moe-rank --rank <index>, and refuses to start without LWS_WORKER_INDEX; on the pod network
-/metrics is the declared containerPort `metrics` on the pod IP; three distinct probes: startup
-and liveness `moe-rank-probe --live`, readiness `moe-rank-probe`, the startup probe allowing at
-least STARTUP_BUDGET_S, the liveness probe less and without initialDelaySeconds.
+/metrics is the declared containerPort `metrics` on the pod IP.
 
 usage: check_k8s.py [--bin-dir DIR] [--source-dir DIR]
 """
@@ -102,6 +105,7 @@ FIELDS = {
                   "workingDir", "lifecycle", "terminationMessagePolicy", "stdin", "tty"},
     "probe": {"exec", "grpc", "httpGet", "tcpSocket", "initialDelaySeconds", "periodSeconds", "timeoutSeconds",
               "successThreshold", "failureThreshold", "terminationGracePeriodSeconds"},
+    "httpGet": {"path", "port", "host", "scheme", "httpHeaders"},
     "resources": {"requests", "limits", "claims"},
     "volumeMount": {"name", "mountPath", "readOnly", "subPath", "subPathExpr", "mountPropagation"},
     "volume": {"name", "persistentVolumeClaim", "hostPath", "emptyDir", "configMap", "secret", "projected",
@@ -451,6 +455,8 @@ class Checker:
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 if probe in c:
                     self.keys(c[probe], "probe", f"{cw} {probe}")
+                    if "httpGet" in (c[probe] or {}):
+                        self.keys(c[probe]["httpGet"], "httpGet", f"{cw} {probe} httpGet")
             if "resources" in c:
                 self.keys(c["resources"], "resources", f"{cw} resources")
             for m in c.get("volumeMounts", []):
@@ -604,10 +610,9 @@ class Checker:
                     self.f.check(ports.get("metrics") is not None and str(ports["metrics"]) == str(metrics_port),
                                  f"{cw}: serves /metrics on --metrics-port {metrics_port} but declares "
                                  f"containerPort metrics {ports.get('metrics')}: Prometheus scrapes the declared port")
-                # Probes: an LWS rank has three, each with its own meaning (check_probe_roles).
+                # Probes: three, each with its own meaning (check_probe_roles).
                 modes = {}
-                for probe in ("readinessProbe", "livenessProbe") + (("startupProbe",) if kind == "LeaderWorkerSet"
-                                                                    else ()):
+                for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                     self.f.check(probe in c, f"{cw}: no {probe}")
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                     p = c.get(probe)
@@ -624,6 +629,9 @@ class Checker:
                             if os.path.basename(argv[0]) == "moe-rank-probe":
                                 self.check_probe_port(argv, values, script, w, f"{cw} {probe}")
                                 modes[probe] = "live" if "--live" in argv[1:] else "ready"
+                    if "httpGet" in p:
+                        modes[probe] = self.check_http_probe(p["httpGet"], binary, values, ports, fieldrefs,
+                                                             f"{cw} {probe}")
                     if "grpc" in p:
                         self.f.check(binary == "moe-gateway", f"{cw} {probe}: gRPC probe on {binary}, which "
                                      "serves no gRPC")
@@ -633,8 +641,7 @@ class Checker:
                         port = dc.flag_value(self.bindir, binary, values, "port")
                         self.f.check(str(p["grpc"].get("port")) == str(port),
                                      f"{cw} {probe}: gRPC probe port {p['grpc'].get('port')} but --port {port}")
-                if kind == "LeaderWorkerSet" and binary == "moe-rank" and \
-                        all(probe in c for probe in ("startupProbe", "livenessProbe", "readinessProbe")):
+                if all(probe in c for probe in ("startupProbe", "livenessProbe", "readinessProbe")):
                     self.check_probe_roles(c, modes, cw)
                 # GPU.
                 res = c.get("resources") or {}
@@ -690,14 +697,43 @@ class Checker:
         except dc.CheckFailed as e:
             self.f.add(f"{where}: {e}")
 
+    def check_http_probe(self, http, binary, values, ports, fieldrefs, where):
+        """An httpGet probe of a gateway or rank: GET /healthz or /readyz (returned as "live" or
+        "ready") over plain HTTP on the port the process serves /metrics on (a number or a declared
+        containerPort name), at the kubelet's default host, the pod IP, where the process must
+        listen (--metrics-host the pod IP, 0.0.0.0 or ::)."""
+        path = http.get("path")
+        mode = {"/healthz": "live", "/readyz": "ready"}.get(path)
+        self.f.check(mode is not None, f"{where}: httpGet path {path}: the metrics endpoint answers probes on "
+                     "/healthz and /readyz")
+        self.f.check(http.get("scheme", "HTTP") == "HTTP", f"{where}: httpGet scheme {http.get('scheme')}: "
+                     "/metrics, /healthz and /readyz are plain HTTP")
+        self.f.check("host" not in http, f"{where}: httpGet host {http.get('host')}: leave it out (the pod IP, "
+                     "where the process listens)")
+        served = dc.flag_value(self.bindir, binary, values, "metrics-port")
+        port = http.get("port")
+        number = ports.get(port) if isinstance(port, str) and not port.isdigit() else port
+        if self.f.check(number is not None, f"{where}: httpGet port {port} is not a declared containerPort"):
+            self.f.check(served not in (None, "-1") and str(number) == str(served),
+                         f"{where}: httpGet port {port} ({number}), but {binary} serves /metrics on "
+                         f"--metrics-port {served}")
+        host = dc.flag_value(self.bindir, binary, values, "metrics-host")
+        if binary == "moe-gateway" and "metrics-host" not in values:
+            host = values.get("host", host)
+        self.f.check(self.pod_ip_value(host, fieldrefs) or host in ("0.0.0.0", "::"),
+                     f"{where}: {binary} --metrics-host {host}: the kubelet's httpGet connects to the pod IP")
+        return mode
+
     def check_probe_roles(self, c, modes, where):
-        """A LeaderWorkerSet rank's startup, liveness and readiness probes, kept apart: started and
-        alive = /metrics answers (moe-rank-probe --live; registering needs a gateway, which a
-        restart does not bring back), ready = registered with its experts loaded (moe-rank-probe);
-        the startup probe allows a slow start, the liveness probe is tight and runs only after it."""
+        """A gateway's or rank's startup, liveness and readiness probes, kept apart: started and
+        alive = /healthz answers (httpGet, or moe-rank-probe --live; a rank registers only with a
+        gateway, and a gateway is ready only with its ranks, which a restart does not bring back),
+        ready = /readyz (httpGet, or moe-rank-probe: a rank registered with its experts loaded, a
+        gateway SERVING); the startup probe allows a slow start, the liveness probe is tighter and
+        runs only after it."""
         wanted = {"startupProbe": "live", "livenessProbe": "live", "readinessProbe": "ready"}
-        runs = {"live": "moe-rank-probe --live (/metrics answers)",
-                "ready": "moe-rank-probe (registered with a gateway)", None: "no moe-rank-probe"}
+        runs = {"live": "/healthz (httpGet, or moe-rank-probe --live)",
+                "ready": "/readyz (httpGet, or moe-rank-probe)", None: "neither /healthz nor /readyz"}
         for probe, mode in wanted.items():
             self.f.check(modes.get(probe) == mode, f"{where} {probe}: runs {runs[modes.get(probe)]}, expected "
                          f"{runs[mode]}")
@@ -807,6 +843,12 @@ class Checker:
                                  f"--metrics-host {metrics_host}: Prometheus scrapes the pod IP {pod_ip}")
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                     p = c.get(probe) or {}
+                    if "httpGet" in p:
+                        declared = {cp.get("name"): cp["containerPort"] for cp in c.get("ports", [])}
+                        hp = p["httpGet"].get("port")
+                        number = declared.get(hp) if isinstance(hp, str) and not hp.isdigit() else hp
+                        self.f.check(str(number) == str(port), f"{where} {probe} pod {pod_name}: httpGet port "
+                                     f"{hp} ({number}), the rank serves /metrics on {port}")
                     if "exec" not in p:
                         continue
                     for call in self.run_with_stubs(p["exec"]["command"], pod_env, f"{where} {probe} pod {pod_name}"):
