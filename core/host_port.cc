@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 
@@ -25,6 +26,10 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view entry) {
   out.literal = inet_pton(AF_INET, out.host.c_str(), &v4) == 1 ||
                 inet_pton(AF_INET6, out.host.c_str(), &v6) == 1;
   return out;
+}
+
+bool IsLoopback(absl::string_view host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || absl::StartsWith(host, "127.");
 }
 
 absl::StatusOr<std::vector<std::string>> ResolveHostPort(absl::string_view entry) {

@@ -18,6 +18,9 @@ struct HostPort {
 // Splits "host:port" / "[v6]:port". INVALID_ARGUMENT without a host or a port.
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view entry);
 
+// Whether a listen host is loopback only (localhost, 127.x.y.z, ::1).
+bool IsLoopback(absl::string_view host);
+
 // Every address `entry` resolves to now (getaddrinfo), IPv4 first, as "IP:port" / "[IP]:port",
 // without repeats. INVALID_ARGUMENT for a malformed entry, NOT_FOUND when the name resolves to
 // nothing.

@@ -56,22 +56,24 @@ std::string MetadataValue(const grpc::ServerContext& context, absl::string_view 
   return std::string(it->second.data(), it->second.size());
 }
 
-std::string PresentedToken(const grpc::ServerContext& context) {
-  const std::string value = MetadataValue(context, "authorization");
-  if (!absl::StartsWith(value, kBearer)) return "";
-  return value.substr(kBearer.size());
+absl::Status CheckBearer(absl::string_view authorization, const std::string& expected,
+                         absl::string_view what) {
+  if (expected.empty()) return absl::OkStatus();
+  const absl::string_view presented =
+      absl::StartsWith(authorization, kBearer) ? authorization.substr(kBearer.size()) : "";
+  if (presented.empty())
+    return absl::UnauthenticatedError(
+        absl::StrCat("no ", what, " (authorization: Bearer <token>)"));
+  if (!TokensEqual(presented, expected))
+    return absl::UnauthenticatedError(absl::StrCat("wrong ", what));
+  return absl::OkStatus();
 }
 
 grpc::Status CheckToken(const grpc::ServerContext& context, const std::string& expected,
                         absl::string_view what) {
-  if (expected.empty()) return grpc::Status::OK;
-  const std::string presented = PresentedToken(context);
-  if (presented.empty())
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        absl::StrCat("no ", what, " (authorization: Bearer <token> metadata)"));
-  if (!TokensEqual(presented, expected))
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, absl::StrCat("wrong ", what));
-  return grpc::Status::OK;
+  const absl::Status s = CheckBearer(MetadataValue(context, "authorization"), expected, what);
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
 }  // namespace moe

@@ -27,8 +27,11 @@ void AddBearerToken(grpc::ClientContext* context, const std::string& token);
 // The value of metadata `key` (lowercase) of an incoming call, "" when absent.
 std::string MetadataValue(const grpc::ServerContext& context, absl::string_view key);
 
-// The bearer token of an incoming call ("" when there is none).
-std::string PresentedToken(const grpc::ServerContext& context);
+// Checks an "authorization" value ("Bearer <token>": gRPC metadata or an HTTP header) against
+// `expected` (no check when it is empty). UNAUTHENTICATED, naming `what` ("API token"), when the
+// token is missing or wrong.
+absl::Status CheckBearer(absl::string_view authorization, const std::string& expected,
+                         absl::string_view what);
 
 // Checks an incoming call against `expected` (no check when it is empty). UNAUTHENTICATED,
 // naming `what` ("cluster token", "API token"), when the token is missing or wrong.

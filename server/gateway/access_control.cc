@@ -100,8 +100,19 @@ grpc::Status AccessControl::Admin(const grpc::ServerContext& context, absl::stri
                                           "token (--admin-token-file)")));
 }
 
+absl::Status AccessControl::HttpCaller(absl::string_view authorization, absl::string_view peer,
+                                       absl::string_view method) {
+  absl::Status s = CheckBearer(authorization, options_.api_token, "API token");
+  return s.ok() ? s : Refuse(peer, "api", method, s);
+}
+
 grpc::Status AccessControl::Refuse(const grpc::ServerContext& context, absl::string_view plane,
                                    absl::string_view method, grpc::Status status) {
+  return ToGrpcStatus(Refuse(context.peer(), plane, method, FromGrpcStatus(status)));
+}
+
+absl::Status AccessControl::Refuse(absl::string_view peer, absl::string_view plane,
+                                   absl::string_view method, absl::Status status) {
   ++refusals_;
   if (metrics_ != nullptr) metrics_->OnAuthFailure(std::string(plane));
   std::lock_guard<std::mutex> lock(log_mu_);
@@ -114,8 +125,8 @@ grpc::Status AccessControl::Refuse(const grpc::ServerContext& context, absl::str
   // caller chose verbatim reaches the log except through CHexEscape.
   std::fprintf(
       stderr, "moe-gateway: refused %s call %s from %s: %s%s\n", std::string(plane).c_str(),
-      std::string(method).c_str(), absl::CHexEscape(context.peer()).c_str(),
-      status.error_message().c_str(),
+      std::string(method).c_str(), absl::CHexEscape(peer).c_str(),
+      std::string(status.message()).c_str(),
       unlogged_ > 0 ? absl::StrCat(" (", unlogged_, " more refusals not logged)").c_str() : "");
   std::fflush(stderr);
   last_log_ = now;

@@ -2,7 +2,8 @@
 //   control (RankControl, its own port): ranks, by mTLS client certificate naming the rank
 //       identity and/or proof of the cluster token (security/rank_handshake.h, never the token
 //       itself); a gateway refuses to start with neither unless told the network is trusted;
-//   api (MoeService): callers, by the API token when one is set;
+//   api (MoeService, the Open Inference Protocol over gRPC and HTTP): callers, by the API token
+//       when one is set;
 //   admin (MoeDiagnostics): operators, by the admin token when one is set (else the API's).
 // Health is always open: probes carry no secrets. Every check reads only the call's metadata and
 // its TLS peer, before any message (server/read_after_admission.h). Refusals are counted
@@ -59,6 +60,9 @@ class AccessControl final : public RankAdmission {
                             std::string* session) override;
   RankHandshake& handshake() override { return handshake_; }
   grpc::Status Caller(const grpc::ServerContext& context, absl::string_view method);
+  // The same for the REST API: its Authorization header, and the peer for the log.
+  absl::Status HttpCaller(absl::string_view authorization, absl::string_view peer,
+                          absl::string_view method);
   // PERMISSION_DENIED (the caller may be a legitimate API user, just not an operator).
   grpc::Status Admin(const grpc::ServerContext& context, absl::string_view method);
 
@@ -67,6 +71,9 @@ class AccessControl final : public RankAdmission {
  private:
   grpc::Status Refuse(const grpc::ServerContext& context, absl::string_view plane,
                       absl::string_view method, grpc::Status status);
+  // Counts and logs a refusal of `peer` (rate-limited); returns `status`.
+  absl::Status Refuse(absl::string_view peer, absl::string_view plane, absl::string_view method,
+                      absl::Status status);
 
   const AccessOptions options_;
   GatewayMetrics* metrics_ = nullptr;

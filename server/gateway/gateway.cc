@@ -9,11 +9,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/host_port.h"
 #include "core/status.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
 #include "server/backend_factory.h"
+#include "server/gateway/kserve_http.h"
 #include "server/gateway/kserve_service.h"
 #include "server/gateway/services.h"
 
@@ -262,6 +264,19 @@ absl::Status Gateway::Start() {
              options_.max_request_tokens * c.hidden_size * int64_t{4} + (int64_t{1} << 20),
              PublicTransportMemory(), /*max_streams=*/256,
              {moe_service_.get(), diagnostics_service_.get(), kserve_service_.get()}, "--port"));
+  if (options_.http_port >= 0) {
+    const std::string http_host = options_.http_host.empty() ? options_.host : options_.http_host;
+    // civetweb serves plaintext here: a gateway configured for TLS keeps its callers' tokens and
+    // tensors off the network by listening on loopback, for a proxy that terminates TLS.
+    if (options_.tls.server_enabled() && !IsLoopback(http_host))
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--http-port serves plaintext HTTP and the gateway is configured for TLS: give "
+          "--http-host 127.0.0.1 and terminate TLS in front of it (not ",
+          http_host, ")"));
+    ASSIGN_OR_RETURN(rest_, KServeHttpServer::Start(
+                                this, RestOptions{absl::StrCat(http_host, ":", options_.http_port),
+                                                  options_.http_threads}));
+  }
   std::lock_guard<std::mutex> lock(health_mu_);
   health_ = server_->GetHealthCheckService();
   SetHealthLocked();
@@ -351,6 +366,7 @@ void Gateway::Shutdown(absl::Duration grace) {
     server_->Wait();
     server_.reset();
   }
+  rest_.reset();  // waits for its handlers, whose steps end like the gRPC calls' did
   if (control_server_ != nullptr) {
     control_server_->Shutdown(absl::ToChronoTime(absl::Now()));
     control_server_->Wait();
@@ -359,6 +375,8 @@ void Gateway::Shutdown(absl::Duration grace) {
   batcher_.reset();
   diagnostics_.reset();
 }
+
+int Gateway::http_port() const { return rest_ != nullptr ? rest_->port() : -1; }
 
 void Gateway::Wait() {
   if (server_ != nullptr) server_->Wait();

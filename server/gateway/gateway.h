@@ -40,6 +40,7 @@ namespace moe {
 class MoeServiceImpl;
 class DiagnosticsServiceImpl;
 class KServeServiceImpl;
+class KServeHttpServer;
 
 struct GatewayOptions {
   std::string checkpoint;        // checkpoint directory (config.json + safetensors)
@@ -80,6 +81,11 @@ struct GatewayOptions {
   // gRPC resets a stream of a connection holding memory, RESOURCE_EXHAUSTED); 0 = sized from the
   // message limits.
   int64_t transport_memory_bytes = 0;
+  // The Open Inference Protocol over HTTP/REST (kserve_http.h): -1 off, 0 any free port.
+  // Plaintext: with TLS configured it listens on loopback only (behind a TLS-terminating proxy).
+  std::string http_host;  // "" = host
+  int http_port = -1;
+  int http_threads = 16;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
   MetricsOptions metrics;
@@ -137,6 +143,7 @@ class Gateway {
 
   int port() const { return port_; }
   int control_port() const { return control_port_; }
+  int http_port() const;  // -1 when the REST API is off
   AccessControl& access() { return *access_; }
   int64_t RequestLimit() const;         // the public port's message limit (max_request_bytes)
   int64_t ControlMessageLimit() const;  // the control port's: one rank's step result
@@ -231,6 +238,7 @@ class Gateway {
   std::unique_ptr<DiagnosticsServiceImpl> diagnostics_service_;
   std::unique_ptr<KServeServiceImpl> kserve_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<KServeHttpServer> rest_;
   std::unique_ptr<grpc::Server> control_server_;
   std::mutex health_mu_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // guarded by health_mu_

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/flags.h"
+#include "core/host_port.h"
 #include "security/tokens.h"
 #include "server/gateway/gateway.h"
 
@@ -17,10 +18,6 @@ namespace {
 
 std::atomic<int> g_signals{0};  // SIGTERM/SIGINT received: the first drains, a second cuts it short
 void OnSignal(int) { ++g_signals; }
-
-bool IsLoopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host == "[::1]" || absl::StartsWith(host, "127.");
-}
 
 }  // namespace
 
@@ -37,7 +34,8 @@ int main(int argc, char** argv) {
       "Open Inference Protocol (inference.GRPCInferenceService: KServe v2 and Triton's stream,\n"
       "config, statistics and repository extensions; model moe-layer-L), grpc.health.v1 and\n"
       "server reflection on --port, and the ranks' control plane on --control-port; ready\n"
-      "(SERVING) once every rank has registered and loaded its experts. --metrics-port serves\n"
+      "(SERVING) once every rank has registered and loaded its experts. --http-port serves the\n"
+      "Open Inference Protocol over HTTP/REST (/v2/...; JSON and binary tensors), --metrics-port\n"
       "/metrics, /healthz and /readyz.");
   flags.String("checkpoint", &options.checkpoint, "checkpoint directory");
   flags.Int("ranks", &options.num_ranks, "number of expert ranks");
@@ -126,6 +124,13 @@ int main(int argc, char** argv) {
                "long for the calls in flight before exiting");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
   flags.Range("threads", 0, 4096);
+  flags.Int("http-port", &options.http_port,
+            "the Open Inference Protocol over HTTP/REST (KServe v2; -1 = off, 0 = any free port)");
+  flags.Range("http-port", -1, 65535);
+  flags.String("http-host", &options.http_host,
+               "REST listen address (default: the --host value; loopback only under TLS)");
+  flags.Int("http-threads", &options.http_threads, "REST connections served at once");
+  flags.Range("http-threads", 1, 1024);
   flags.Int("metrics-port", &options.metrics_port,
             "Prometheus /metrics port (-1 = off, 0 = any free port)");
   flags.Range("metrics-port", -1, 65535);
@@ -257,7 +262,7 @@ int main(int argc, char** argv) {
                options.access.cluster_token.empty()
                    ? (control_mtls ? "" : "unauthenticated: --insecure-cluster")
                    : (control_mtls ? " + cluster token proof" : "cluster token proof"));
-  if (!options.tls.server_enabled() && !IsLoopback(control_host))
+  if (!options.tls.server_enabled() && !moe::IsLoopback(control_host))
     std::fprintf(stderr,
                  "moe-gateway: warning: the control port listens on %s in plaintext: ranks prove "
                  "the cluster token without sending it, but the hidden states they receive cross "
@@ -270,6 +275,10 @@ int main(int argc, char** argv) {
       absl::StrJoin((*gateway)->engine().layers(), ",").c_str(), (*gateway)->backend_name().c_str(),
       options.tls.server_enabled() ? (options.tls.mutual() ? "mTLS" : "TLS") : "plaintext",
       options.num_ranks);
+  if (options.http_port >= 0)
+    std::fprintf(stderr, "moe-gateway: REST (Open Inference Protocol) on %s:%d/v2\n",
+                 (options.http_host.empty() ? options.host : options.http_host).c_str(),
+                 (*gateway)->http_port());
   if (options.metrics_port >= 0)
     std::fprintf(stderr, "moe-gateway: metrics on %s:%d/metrics\n", options.metrics_host.c_str(),
                  (*gateway)->metrics_port());

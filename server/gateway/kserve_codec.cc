@@ -16,16 +16,6 @@ namespace {
 
 constexpr absl::string_view kModelPrefix = "moe-layer-";
 
-// The protocol's datatype names are moe.v1's (DTypeName): BF16, FP16, FP32.
-absl::StatusOr<moe::v1::DType> DTypeOfDatatype(absl::string_view datatype, absl::string_view what) {
-  if (datatype == "BF16") return moe::v1::BF16;
-  if (datatype == "FP16") return moe::v1::FP16;
-  if (datatype == "FP32") return moe::v1::FP32;
-  return absl::InvalidArgumentError(absl::StrCat(what, ": datatype '",
-                                                 absl::CEscape(datatype.substr(0, 32)),
-                                                 "' is not served (BF16, FP16 or FP32)"));
-}
-
 // Values in the typed fields other than fp32_contents.
 int64_t NonFp32Values(const inference::InferTensorContents& c) {
   return int64_t{c.bool_contents_size()} + c.int_contents_size() + c.int64_contents_size() +
@@ -66,6 +56,15 @@ absl::StatusOr<std::string> InputBytes(const inference::ModelInferRequest& reque
 
 }  // namespace
 
+absl::StatusOr<moe::v1::DType> KServeDType(absl::string_view datatype, absl::string_view what) {
+  if (datatype == "BF16") return moe::v1::BF16;
+  if (datatype == "FP16") return moe::v1::FP16;
+  if (datatype == "FP32") return moe::v1::FP32;
+  return absl::InvalidArgumentError(absl::StrCat(what, ": datatype '",
+                                                 absl::CEscape(datatype.substr(0, 32)),
+                                                 "' is not served (BF16, FP16 or FP32)"));
+}
+
 std::string KServeModelName(int layer) { return absl::StrCat(kModelPrefix, layer); }
 
 absl::StatusOr<int> KServeModelLayer(absl::string_view name) {
@@ -105,7 +104,7 @@ absl::StatusOr<KServeCall> ToForwardRequest(const inference::ModelInferRequest& 
   const auto& input = request.inputs(0);
   ASSIGN_OR_RETURN(
       const moe::v1::DType dtype,
-      DTypeOfDatatype(input.datatype(), absl::StrCat("input '", kKServeInput, "'")));
+      KServeDType(input.datatype(), absl::StrCat("input '", kKServeInput, "'")));
   moe::v1::Tensor* hidden = forward.mutable_hidden_states();
   hidden->set_dtype(dtype);
   hidden->mutable_shape()->Add(input.shape().begin(), input.shape().end());
@@ -116,7 +115,7 @@ absl::StatusOr<KServeCall> ToForwardRequest(const inference::ModelInferRequest& 
       return absl::InvalidArgumentError(
           "parameter 'output_datatype' must be a string (BF16, FP16 or FP32)");
     ASSIGN_OR_RETURN(const moe::v1::DType out,
-                     DTypeOfDatatype(it->second.string_param(), "parameter 'output_datatype'"));
+                     KServeDType(it->second.string_param(), "parameter 'output_datatype'"));
     forward.set_output_dtype(out);
   }
 

@@ -24,6 +24,10 @@ absl::StatusOr<int> KServeModelLayer(absl::string_view name);
 // NOT_FOUND unless `version` is "" (the only one) or "1".
 absl::Status CheckKServeModelVersion(absl::string_view name, absl::string_view version);
 
+// The protocol's datatype names are moe.v1's (DTypeName): BF16, FP16, FP32; INVALID_ARGUMENT
+// naming `what` for any other.
+absl::StatusOr<moe::v1::DType> KServeDType(absl::string_view datatype, absl::string_view what);
+
 // The tensor names of every layer model.
 constexpr char kKServeInput[] = "hidden_states";
 constexpr char kKServeOutput[] = "output";

@@ -1,32 +1,9 @@
 #include "server/gateway/kserve_service.h"
 
-#include <algorithm>
-
-#include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "core/status.h"
-#include "core/version.h"
-#include "model/config.h"
-#include "server/gateway/kserve_codec.h"
-#include "server/read_after_admission.h"
-#include "server/gateway/services.h"
 #include "server/grpc_status.h"
+#include "server/read_after_admission.h"
 
 namespace moe {
-
-bool KServeServiceImpl::Serving() const { return gateway_->ready() && !gateway_->draining(); }
-
-absl::StatusOr<int> KServeServiceImpl::ServedLayer(const std::string& name,
-                                                   const std::string& version) const {
-  ASSIGN_OR_RETURN(const int layer, KServeModelLayer(name));
-  RETURN_IF_ERROR(CheckKServeModelVersion(name, version));
-  const std::vector<int>& served = gateway_->engine().layers();
-  if (std::find(served.begin(), served.end(), layer) == served.end())
-    return absl::NotFoundError(absl::StrCat("model '", name, "': layer ", layer,
-                                            " is not served (GetModelInfo lists the layers)"));
-  return layer;
-}
-
 namespace {
 grpc::Status Open() { return grpc::Status::OK; }
 }  // namespace
@@ -50,7 +27,7 @@ grpc::Status KServeServiceImpl::StreamedServerReady(
   return ReadAfterAdmission(
       *context, *stream, Open,
       [&](const inference::ServerReadyRequest&, inference::ServerReadyResponse* response) {
-        response->set_ready(Serving());
+        response->set_ready(models_.Serving());
         return grpc::Status::OK;
       });
 }
@@ -62,8 +39,7 @@ grpc::Status KServeServiceImpl::StreamedModelReady(
   return ReadAfterAdmission(
       *context, *stream, Open,
       [&](const inference::ModelReadyRequest& request, inference::ModelReadyResponse* response) {
-        // A question, not a lookup: an unknown model is not ready (no error, as probes expect).
-        response->set_ready(ServedLayer(request.name(), request.version()).ok() && Serving());
+        response->set_ready(models_.ModelReady(request.name(), request.version()));
         return grpc::Status::OK;
       });
 }
@@ -74,13 +50,8 @@ grpc::Status KServeServiceImpl::StreamedServerMetadata(
         stream) {
   return ReadAfterAdmission(
       *context, *stream, [&] { return gateway_->access().Caller(*context, "ServerMetadata"); },
-      [](const inference::ServerMetadataRequest&, inference::ServerMetadataResponse* response) {
-        response->set_name("moe-gateway");
-        response->set_version(Version());
-        // Triton's names for what is served beyond the core protocol.
-        for (const char* extension : {"binary_tensor_data", "parameters", "model_configuration",
-                                      "statistics", "model_repository"})
-          response->add_extensions(extension);
+      [&](const inference::ServerMetadataRequest&, inference::ServerMetadataResponse* response) {
+        models_.ServerMetadata(response);
         return grpc::Status::OK;
       });
 }
@@ -93,12 +64,7 @@ grpc::Status KServeServiceImpl::StreamedModelMetadata(
       *context, *stream, [&] { return gateway_->access().Caller(*context, "ModelMetadata"); },
       [&](const inference::ModelMetadataRequest& request,
           inference::ModelMetadataResponse* response) {
-        absl::StatusOr<int> layer = ServedLayer(request.name(), request.version());
-        if (!layer.ok()) return ToGrpcStatus(layer.status());
-        const MoeConfig& c = gateway_->engine().config();
-        FillKServeModelMetadata(*layer, c.hidden_size, c.routing.top_k, ModelFamilyName(c.family),
-                                response);
-        return grpc::Status::OK;
+        return ToGrpcStatus(models_.ModelMetadata(request.name(), request.version(), response));
       });
 }
 
@@ -109,7 +75,7 @@ grpc::Status KServeServiceImpl::StreamedModelInfer(
   return ReadAfterAdmission(
       *context, *stream, [&] { return gateway_->access().Caller(*context, "ModelInfer"); },
       [&](const inference::ModelInferRequest& request, inference::ModelInferResponse* response) {
-        return ModelInfer(*context, request, response);
+        return ToGrpcStatus(models_.Infer(CallerWaitOf(*context), request, response));
       });
 }
 
@@ -123,9 +89,10 @@ grpc::Status KServeServiceImpl::ModelStreamInfer(
   inference::ModelInferRequest request;
   while (stream->Read(&request)) {
     inference::ModelStreamInferResponse reply;
-    const grpc::Status status = ModelInfer(*context, request, reply.mutable_infer_response());
+    const absl::Status status =
+        models_.Infer(CallerWaitOf(*context), request, reply.mutable_infer_response());
     if (!status.ok()) {
-      reply.set_error_message(status.error_message());
+      reply.set_error_message(std::string(status.message()));
       reply.mutable_infer_response()->set_id(request.id());
       reply.mutable_infer_response()->set_model_name(request.model_name());
     }
@@ -143,20 +110,9 @@ grpc::Status KServeServiceImpl::StreamedModelConfig(
   return ReadAfterAdmission(
       *context, *stream, [&] { return gateway_->access().Caller(*context, "ModelConfig"); },
       [&](const inference::ModelConfigRequest& request, inference::ModelConfigResponse* response) {
-        absl::StatusOr<int> layer = ServedLayer(request.name(), request.version());
-        if (!layer.ok()) return ToGrpcStatus(layer.status());
-        const MoeConfig& c = gateway_->engine().config();
-        FillKServeModelConfig(*layer, c.hidden_size, c.routing.top_k, response);
-        return grpc::Status::OK;
+        return ToGrpcStatus(models_.ModelConfig(request.name(), request.version(), response));
       });
 }
-
-namespace {
-void SetDuration(int64_t count, absl::Duration total, inference::StatisticDuration* out) {
-  out->set_count(static_cast<uint64_t>(count));
-  out->set_ns(static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Nanoseconds(total))));
-}
-}  // namespace
 
 grpc::Status KServeServiceImpl::StreamedModelStatistics(
     grpc::ServerContext* context,
@@ -166,34 +122,7 @@ grpc::Status KServeServiceImpl::StreamedModelStatistics(
       *context, *stream, [&] { return gateway_->access().Caller(*context, "ModelStatistics"); },
       [&](const inference::ModelStatisticsRequest& request,
           inference::ModelStatisticsResponse* response) {
-        std::vector<int> layers = gateway_->engine().layers();
-        if (!request.name().empty()) {
-          absl::StatusOr<int> layer = ServedLayer(request.name(), request.version());
-          if (!layer.ok()) return ToGrpcStatus(layer.status());
-          layers = {*layer};
-        }
-        for (int layer : layers) {
-          const InferenceStats s = gateway_->metrics().Inference(layer);
-          inference::ModelStatistics* m = response->add_model_stats();
-          m->set_name(KServeModelName(layer));
-          m->set_version(kKServeModelVersion);
-          if (s.last_request > absl::UnixEpoch())
-            m->set_last_inference(static_cast<uint64_t>(absl::ToUnixMillis(s.last_request)));
-          m->set_inference_count(static_cast<uint64_t>(s.success_count));
-          m->set_execution_count(static_cast<uint64_t>(s.steps));
-          inference::InferStatistics* stats = m->mutable_inference_stats();
-          SetDuration(s.success_count, s.success_time, stats->mutable_success());
-          SetDuration(s.fail_count, s.fail_time, stats->mutable_fail());
-          SetDuration(s.success_count, s.queue_time, stats->mutable_queue());
-          // Everything after the queue: the steps, with their gRPC exchange with the ranks.
-          SetDuration(s.success_count, s.success_time - s.queue_time,
-                      stats->mutable_compute_infer());
-          // Decoding and encoding are in the steps' time: zero, counted alike (perf_analyzer
-          // wants one count for the three compute parts).
-          SetDuration(s.success_count, absl::ZeroDuration(), stats->mutable_compute_input());
-          SetDuration(s.success_count, absl::ZeroDuration(), stats->mutable_compute_output());
-        }
-        return grpc::Status::OK;
+        return ToGrpcStatus(models_.Statistics(request.name(), request.version(), response));
       });
 }
 
@@ -205,46 +134,9 @@ grpc::Status KServeServiceImpl::StreamedRepositoryIndex(
       *context, *stream, [&] { return gateway_->access().Caller(*context, "RepositoryIndex"); },
       [&](const inference::RepositoryIndexRequest& request,
           inference::RepositoryIndexResponse* response) {
-        const bool serving = Serving();
-        for (int layer : gateway_->engine().layers()) {
-          if (request.ready() && !serving) continue;
-          auto* model = response->add_models();
-          model->set_name(KServeModelName(layer));
-          model->set_version(kKServeModelVersion);
-          model->set_state(serving ? "READY" : "UNAVAILABLE");
-          if (!serving)
-            model->set_reason(gateway_->draining() ? "draining" : gateway_->ReadinessMessage());
-        }
+        models_.RepositoryIndex(request.ready(), response);
         return grpc::Status::OK;
       });
-}
-
-grpc::Status KServeServiceImpl::ModelInfer(grpc::ServerContext& context,
-                                           const inference::ModelInferRequest& request,
-                                           inference::ModelInferResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::Duration queue;
-  grpc::Status status;
-  // As Forward: the slot is taken before anything else, so drain sees this request.
-  absl::StatusOr<Gateway::RequestSlot> slot = gateway_->TryBeginRequest();
-  absl::StatusOr<KServeCall> call =
-      slot.ok() ? ToForwardRequest(request) : absl::StatusOr<KServeCall>(slot.status());
-  if (!call.ok()) {
-    status = ToGrpcStatus(call.status());
-  } else {
-    moe::v1::ForwardResponse forward;
-    status = RunForward(*gateway_, context, call->forward, &forward, &queue);
-    if (status.ok()) ToModelInferResponse(request, *call, forward, response);
-  }
-  // The metrics label: the translated layer, else (refused early) whatever the name says.
-  int layer = -1;
-  if (call.ok()) {
-    layer = call->forward.layer();
-  } else if (absl::StatusOr<int> named = KServeModelLayer(request.model_name()); named.ok()) {
-    layer = *named;
-  }
-  gateway_->metrics().OnRequest(layer, status.error_code(), absl::Now() - start, queue);
-  return status;
 }
 
 }  // namespace moe

@@ -1,10 +1,11 @@
 // The Open Inference Protocol (KServe v2) on the gateway's public port, beside moe.v1: each
-// served layer is the model "moe-layer-<L>". Thin, like services.h: translate (kserve_codec.h),
-// run the same Forward path, translate back.
+// served layer is the model "moe-layer-<L>". Thin, like services.h: admit, read, and ask
+// KServeModels (kserve_model.h), which the HTTP/REST API asks too.
 #pragma once
 
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/gateway/gateway.h"
+#include "server/gateway/kserve_model.h"
 
 namespace moe {
 
@@ -23,7 +24,7 @@ using KServeServiceBase = KServeService::WithStreamedUnaryMethod_ServerLive<
 
 class KServeServiceImpl final : public KServeServiceBase {
  public:
-  explicit KServeServiceImpl(Gateway* gateway) : gateway_(gateway) {}
+  explicit KServeServiceImpl(Gateway* gateway) : gateway_(gateway), models_(gateway) {}
 
   // Open like grpc.health.v1: probes carry no token.
   grpc::Status StreamedServerLive(
@@ -70,13 +71,8 @@ class KServeServiceImpl final : public KServeServiceBase {
                                 inference::RepositoryIndexResponse>* stream) override;
 
  private:
-  bool Serving() const;
-  // NOT_FOUND unless `name`/`version` is a model of a served layer; the layer otherwise.
-  absl::StatusOr<int> ServedLayer(const std::string& name, const std::string& version) const;
-  grpc::Status ModelInfer(grpc::ServerContext& context, const inference::ModelInferRequest& request,
-                          inference::ModelInferResponse* response);
-
-  Gateway* gateway_;
+  Gateway* gateway_;  // its access control
+  KServeModels models_;
 };
 
 }  // namespace moe

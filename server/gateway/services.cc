@@ -8,10 +8,10 @@
 #include "absl/time/clock.h"
 #include "core/status.h"
 #include "proto/tensor_codec.h"
-#include "server/read_after_admission.h"
 #include "server/gateway/request_validation.h"
 #include "server/gateway/stream_outbox.h"
 #include "server/grpc_status.h"
+#include "server/read_after_admission.h"
 
 namespace moe {
 namespace {
@@ -93,30 +93,34 @@ grpc::Status MoeServiceImpl::Forward(grpc::ServerContext& context, const Forward
   absl::Duration queue;
   // Counted before MakeCall checks draining(): Drain either sees this request or it sees drain.
   absl::StatusOr<Gateway::RequestSlot> slot = gateway_->TryBeginRequest();
-  const grpc::Status status = slot.ok() ? RunForward(*gateway_, context, request, response, &queue)
-                                        : ToGrpcStatus(slot.status());
+  const grpc::Status status = ToGrpcStatus(
+      slot.ok() ? RunForward(*gateway_, CallerWaitOf(context), request, response, &queue)
+                : slot.status());
   gateway_->metrics().OnRequest(request.layer(), status.error_code(), absl::Now() - start, queue);
   return status;
 }
 
-grpc::Status RunForward(Gateway& gateway, grpc::ServerContext& context,
-                        const ForwardRequest& request, ForwardResponse* response,
-                        absl::Duration* queue) {
+absl::Status RunForward(Gateway& gateway, const CallerWait& caller, const ForwardRequest& request,
+                        ForwardResponse* response, absl::Duration* queue) {
   ValidatedRequest validated;
-  auto call = MakeCall(gateway, request, DeadlineOf(context), &validated);
-  if (!call.ok()) return ToGrpcStatus(call.status());
-  if (absl::Status s = gateway.batcher().Submit(*call); !s.ok()) return ToGrpcStatus(s);
+  ASSIGN_OR_RETURN(std::shared_ptr<ForwardCall> call,
+                   MakeCall(gateway, request, caller.deadline, &validated));
+  RETURN_IF_ERROR(gateway.batcher().Submit(call));
   // Wait for the step, watching for the client going away.
-  while (!(*call)->done.WaitFor(absl::Milliseconds(20))) {
-    if (context.IsCancelled()) {
-      (*call)->cancelled = true;
-      return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+  while (!call->done.WaitFor(absl::Milliseconds(20))) {
+    if (caller.cancelled && caller.cancelled()) {
+      call->cancelled = true;
+      return absl::CancelledError("the client cancelled the request");
     }
   }
-  *queue = (*call)->queue_time;
-  if (!(*call)->status.ok()) return ToGrpcStatus((*call)->status);
-  FillResponse(**call, validated, request, response);
-  return grpc::Status::OK;
+  *queue = call->queue_time;
+  RETURN_IF_ERROR(call->status);
+  FillResponse(*call, validated, request, response);
+  return absl::OkStatus();
+}
+
+CallerWait CallerWaitOf(grpc::ServerContext& context) {
+  return CallerWait{DeadlineOf(context), [&context] { return context.IsCancelled(); }};
 }
 
 grpc::Status MoeServiceImpl::ForwardStream(

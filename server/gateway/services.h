@@ -1,16 +1,27 @@
 // The gateway's gRPC services. Thin: parse, call the gateway, map the status.
 #pragma once
 
+#include <functional>
+
+#include "absl/time/time.h"
 #include "moe/v1/moe.grpc.pb.h"
 #include "server/gateway/gateway.h"
 
 namespace moe {
 
+// What a forward call knows of its caller, whatever carries it: the deadline, and whether the
+// caller went away (null: never asked).
+struct CallerWait {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;
+};
+CallerWait CallerWaitOf(grpc::ServerContext& context);
+
 // One unary Forward: validates `request`, runs it in the batcher's steps and waits, watching for
-// the caller going away. Both public APIs (moe.v1 Forward and the Open Inference Protocol's
-// ModelInfer) call it, so they share validation, status codes and batching. `queue` gets the
-// time the request waited to join a step.
-grpc::Status RunForward(Gateway& gateway, grpc::ServerContext& context,
+// the caller going away. Every public API (moe.v1 Forward, the Open Inference Protocol's
+// ModelInfer over gRPC and over HTTP) calls it, so they share validation, status codes and
+// batching. `queue` gets the time the request waited to join a step.
+absl::Status RunForward(Gateway& gateway, const CallerWait& caller,
                         const moe::v1::ForwardRequest& request, moe::v1::ForwardResponse* response,
                         absl::Duration* queue);
 

@@ -12,14 +12,11 @@
 #include "absl/time/time.h"
 #include "prometheus/registry.h"
 
-class CivetServer;
-
 namespace moe {
 
-// A running endpoint. Destruction returns within milliseconds: civetweb's listener thread polls
-// with a 2 s quantum and checks its stop flag only between polls, so the destructor connects to
-// the port while the server stops (which wakes the poll) instead of making every process exit
-// wait for up to 2 s.
+class CivetListener;
+
+// A running endpoint; destruction returns within milliseconds (CivetListener).
 class MetricsServer {
  public:
   // Listens on `address` ("HOST:PORT", port 0 = any free one) and serves `registry` and the
@@ -32,7 +29,7 @@ class MetricsServer {
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;
 
-  int port() const { return port_; }
+  int port() const;
   // What /readyz asks: "" when ready, else why not. Returns only when no probe is still running
   // the previous function (so an owner can clear it, nullptr, before it goes away).
   void SetReadiness(std::function<std::string()> not_ready);
@@ -46,15 +43,13 @@ class MetricsServer {
  private:
   class MetricsHandler;
   class HealthHandler;
-  MetricsServer(std::string wake_host, int port);
+  MetricsServer();
 
   std::unique_ptr<MetricsHandler> metrics_;
   std::unique_ptr<HealthHandler> healthz_, readyz_;
   std::mutex readiness_mu_;
-  std::function<std::string()> not_ready_;  // guarded by readiness_mu_
-  std::unique_ptr<CivetServer> civet_;       // last: stopped before the handlers go
-  const std::string wake_host_;  // where the destructor connects: the bound address, or loopback
-  const int port_;
+  std::function<std::string()> not_ready_;   // guarded by readiness_mu_
+  std::unique_ptr<CivetListener> listener_;  // last: stopped before the handlers go
 };
 
 }  // namespace moe
