@@ -248,6 +248,14 @@ class KServeHttpServer::Handler final : public CivetHandler {
   }
 
   void Infer(mg_connection* conn, const Route& route, const std::string& body) {
+    // The model before the body, as gRPC's ModelInfer answers NOT_FOUND before looking inside.
+    if (absl::StatusOr<int> layer = models_.ServedLayer(route.model, route.version); !layer.ok()) {
+      const absl::StatusOr<int> named = KServeModelLayer(route.model);
+      gateway_->metrics().OnRequest(named.ok() ? *named : -1,
+                                    static_cast<int>(layer.status().code()), absl::ZeroDuration(),
+                                    absl::ZeroDuration());
+      return RespondError(conn, layer.status());
+    }
     std::optional<size_t> json_length;
     if (const char* header = mg_get_header(conn, kInferenceHeaderLength); header != nullptr) {
       size_t length = 0;

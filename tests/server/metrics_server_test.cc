@@ -107,25 +107,25 @@ TEST_F(MetricsServerTest, TheServerClosesAConnectionThatSendsNoRequest) {
 
 TEST_F(MetricsServerTest, ProbesAnswerBesideTheMetrics) {
   const std::string health = Get(server_->port(), "/healthz");
-  EXPECT_NE(health.find("HTTP/1.1 200"), std::string::npos) << health;
+  EXPECT_NE(health.find("HTTP/1.0 200"), std::string::npos) << health;
   std::string ready = Get(server_->port(), "/readyz");
-  EXPECT_NE(ready.find("HTTP/1.1 200"), std::string::npos) << "ready until told otherwise";
+  EXPECT_NE(ready.find("HTTP/1.0 200"), std::string::npos) << "ready until told otherwise";
 
   server_->SetReadiness([] { return std::string("2 of 4 ranks up"); });
   ready = Get(server_->port(), "/readyz");
-  EXPECT_NE(ready.find("HTTP/1.1 503"), std::string::npos) << ready;
+  EXPECT_NE(ready.find("HTTP/1.0 503"), std::string::npos) << ready;
   EXPECT_NE(ready.find("not ready: 2 of 4 ranks up"), std::string::npos) << ready;
-  EXPECT_NE(Get(server_->port(), "/healthz").find("HTTP/1.1 200"), std::string::npos)
+  EXPECT_NE(Get(server_->port(), "/healthz").find("HTTP/1.0 200"), std::string::npos)
       << "alive while not ready";
   server_->SetReadiness([] { return std::string(); });
-  EXPECT_NE(Get(server_->port(), "/readyz").find("HTTP/1.1 200"), std::string::npos);
+  EXPECT_NE(Get(server_->port(), "/readyz").find("HTTP/1.0 200"), std::string::npos);
 
   const std::string metrics = Scrape(server_->port());
   EXPECT_NE(metrics.find("moe_test_total 3"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("process_resident_memory_bytes"), std::string::npos);
   // Exact paths only.
-  EXPECT_EQ(Get(server_->port(), "/readyz/x").find("HTTP/1.1 200"), std::string::npos);
-  EXPECT_EQ(Get(server_->port(), "/metricsx").find("HTTP/1.1 200"), std::string::npos);
+  EXPECT_EQ(Get(server_->port(), "/readyz/x").find("HTTP/1.0 200"), std::string::npos);
+  EXPECT_EQ(Get(server_->port(), "/metricsx").find("HTTP/1.0 200"), std::string::npos);
 }
 
 // The value of `series` (full name and labels) in a scrape; -1 when it is missing.
