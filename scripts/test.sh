@@ -49,7 +49,7 @@ if [ "${MOE_TEST_SANITIZERS:-1}" = "1" ] && [ "$fuzz_seconds" != "0" ]; then
   # time per target, two at a time: clang + libFuzzer + ASan/UBSan, only the fuzz targets built.
   # New inputs go to a scratch corpus; a crash fails the stage and leaves its input in build-fuzz/.
   stage "libFuzzer (clang, ASan + UBSan): $fuzz_seconds s per target"
-  targets=(npy safetensors index config request kserve step control)
+  targets=(npy safetensors index config request kserve rest step control)
   cmake -S . -B build-fuzz -G Ninja "${instrumented[@]}" -DMOE_ENABLE_CUDA=OFF \
     -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DMOE_FUZZ=ON >/dev/null
   cmake --build build-fuzz -j"$jobs" --target "${targets[@]/#/fuzz_}"
