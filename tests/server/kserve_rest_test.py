@@ -11,7 +11,6 @@
 Run by ctest (labels python, service) with MOE_BIN_DIR, MOE_PYTHON_STUBS and MOE_KSERVE_VENV set.
 """
 
-import base64
 import json
 import os
 import socket
@@ -24,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kserve_service_test import (HIDDEN, MAX_TOKENS, TOP_K, bf16_bytes, bf16_round,  # noqa: E402
-                                 ensure_triton_venv, metric_value, perf_analyzer_env)
+                                 ensure_triton_venv, metric_value, run_perf_analyzer)
 from python_client_service_test import SOURCE_DIR, ClusterFixture, free_port  # noqa: E402
 
 TOKEN = "rest-test-token-5f1c"
@@ -277,19 +276,9 @@ class KServeRestTest(ClusterFixture):
 
     def test_perf_analyzer_http(self):
         python = ensure_triton_venv(os.environ.get("MOE_KSERVE_VENV", os.path.join(SOURCE_DIR, "build", "kserve-venv")))
-        binary, env = perf_analyzer_env(python)
-        rng = np.random.default_rng(47)
-        data = [{"hidden_states": {"b64": base64.b64encode(bf16_bytes(rng.standard_normal((8, HIDDEN)))).decode(),
-                                   "shape": [8, HIDDEN]}} for _ in range(4)]
-        path = os.path.join(self.tmp.name, "perf-input-http.json")
-        with open(path, "w") as f:
-            json.dump({"data": data}, f)
         before = self.request_counts(1)
-        run = subprocess.run([binary, "-m", "moe-layer-1", "-i", "http", "-u", f"127.0.0.1:{self.http_port}",
-                              "-H", f"Authorization: Bearer {TOKEN}",
-                              "--input-data", path, "--shape", f"hidden_states:8,{HIDDEN}", "--concurrency-range",
-                              "2", "--measurement-interval", "1000", "--max-trials", "3", "-s", "1000"],
-                             capture_output=True, text=True, timeout=240, env=env)
+        run = run_perf_analyzer(python, self.tmp.name, 47, "http", f"127.0.0.1:{self.http_port}",
+                                ["-H", f"Authorization: Bearer {TOKEN}"])
         self.assertEqual(run.returncode, 0, run.stdout[-3000:] + run.stderr[-3000:])
         self.assertIn("Throughput:", run.stdout)
         self.assertRegex(run.stdout, r"queue \d+ usec \+ compute input \d+ usec \+ compute infer [1-9]\d* usec",

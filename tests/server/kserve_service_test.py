@@ -67,6 +67,24 @@ def perf_analyzer_env(python):
     return os.path.join(venv, "bin", "perf_analyzer"), env
 
 
+def run_perf_analyzer(python, work_dir, seed, protocol, url, extra=()):
+    """perf_analyzer -i `protocol` on moe-layer-1: a short run at concurrency 2 on bf16 inputs it
+    reads from a JSON file (its own random bytes would hold NaNs, which are refused). The run
+    shows compatibility, not a figure: on a loaded host its windows may differ by more than the
+    default 10 % stability, hence -s 1000."""
+    binary, env = perf_analyzer_env(python)
+    rng = np.random.default_rng(seed)
+    data = [{"hidden_states": {"b64": base64.b64encode(bf16_bytes(rng.standard_normal((8, HIDDEN)))).decode(),
+                               "shape": [8, HIDDEN]}} for _ in range(4)]
+    path = os.path.join(work_dir, f"perf-input-{protocol}.json")
+    with open(path, "w") as f:
+        json.dump({"data": data}, f)
+    return subprocess.run([binary, "-m", "moe-layer-1", "-i", protocol, "-u", url, *extra, "--input-data", path,
+                           "--shape", f"hidden_states:8,{HIDDEN}", "--concurrency-range", "2",
+                           "--measurement-interval", "1000", "--max-trials", "3", "-s", "1000"],
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
 def bf16_round(x):
     """x rounded to the nearest bf16 (even on ties), as float32."""
     bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
@@ -322,21 +340,8 @@ class KServeServiceTest(ClusterFixture):
         bf16 inputs it reads from a JSON file (random bytes would hold NaNs, which are refused)."""
         python = ensure_triton_venv(os.environ.get("MOE_KSERVE_VENV",
                                                    os.path.join(SOURCE_DIR, "build", "kserve-venv")))
-        binary, env = perf_analyzer_env(python)
-        rng = np.random.default_rng(31)
-        data = [{"hidden_states": {"b64": base64.b64encode(bf16_bytes(rng.standard_normal((8, HIDDEN)))).decode(),
-                                   "shape": [8, HIDDEN]}} for _ in range(4)]
-        path = os.path.join(self.tmp.name, "perf-input.json")
-        with open(path, "w") as f:
-            json.dump({"data": data}, f)
         before = self.request_counts(1)
-        run = subprocess.run([binary, "-m", "moe-layer-1", "-i", "grpc", "-u", f"127.0.0.1:{self.port}",
-                              "--input-data", path, "--shape", f"hidden_states:8,{HIDDEN}", "--concurrency-range",
-                              "2", "--measurement-interval", "1000", "--max-trials", "3",
-                              # The run shows compatibility, not a figure: on a loaded host its
-                              # windows may differ by more than the default 10 % stability.
-                              "-s", "1000"],
-                             capture_output=True, text=True, timeout=240, env=env)
+        run = run_perf_analyzer(python, self.tmp.name, 31, "grpc", f"127.0.0.1:{self.port}")
         self.assertEqual(run.returncode, 0, run.stdout[-3000:] + run.stderr[-3000:])
         self.assertIn("Throughput:", run.stdout)
         # The server-side breakdown from the statistics extension (queue and compute).
