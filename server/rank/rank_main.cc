@@ -55,7 +55,10 @@ int main(int argc, char** argv) {
              "scales only)");
   flags.Int("device", &options.device, "CUDA device (--backend cuda)");
   flags.Range("device", 0, 1023);
-  flags.Int("connect-timeout-s", &connect_timeout_s, "how long to wait for the gateway");
+  flags.Int("connect-timeout-s", &connect_timeout_s,
+            "how long to wait at start for a first registration with a gateway, then exit "
+            "non-zero; once registered, a lost gateway is waited for without a limit "
+            "(--exit-on-disconnect exits instead)");
   flags.Range("connect-timeout-s", 0, 86400);
   flags.Bool("exit-on-disconnect", &exit_on_disconnect,
              "exit when the gateway goes away instead of re-registering");
@@ -68,6 +71,8 @@ int main(int argc, char** argv) {
             "fault injection: delay every step (tests only)");
   flags.Bool("debug-nan-partials", &options.debug_nan_partials,
              "fault injection: answer steps with NaN partial sums (tests only)");
+  flags.Hide("debug-step-delay-ms");
+  flags.Hide("debug-nan-partials");
   flags.Require("gateway");
   flags.ParseOrExit(argc, argv);
   if (!cluster_token_file.empty()) {

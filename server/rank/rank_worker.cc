@@ -201,8 +201,10 @@ void RankWorker::Session::OnControl(const moe::v1::internal::GatewayToRank& mess
 absl::Status RankWorker::Session::RegisterAndLoad(
     moe::v1::internal::RegisterResponse* registration) {
   const RankOptions& options = worker_->options_;
-  // The gateway may still be starting: the challenge waits for it.
-  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  // The gateway may still be starting: the challenge waits for it, at start until connect_by_.
+  const absl::Time deadline = worker_->registered_once_
+                                  ? absl::Now() + options.connect_timeout
+                                  : std::max(worker_->connect_by_, absl::Now() + absl::Seconds(1));
   moe::v1::internal::ChallengeResponse challenge;
   {
     grpc::ClientContext context;
@@ -425,6 +427,7 @@ absl::Status RankWorker::Session::Run() {
     moe::v1::internal::RegisterResponse registration;
     absl::Status s = RegisterAndLoad(&registration);
     if (s.ok()) {
+      worker_->registered_once_ = true;
       backoff = absl::Milliseconds(200);
       s = Serve(registration);
     }
@@ -436,6 +439,11 @@ absl::Status RankWorker::Session::Run() {
                            absl::IsDeadlineExceeded(s) || absl::IsFailedPrecondition(s) ||
                            absl::IsAlreadyExists(s);
     if (!worker_->options_.reconnect || !retryable) return s;
+    if (!worker_->registered_once_ && absl::Now() >= worker_->connect_by_)
+      return absl::DeadlineExceededError(absl::StrCat(
+          "no gateway took this rank's registration within --connect-timeout-s (",
+          absl::ToInt64Seconds(worker_->options_.connect_timeout), " s); last from ", gateway_,
+          ": ", s.message()));
     std::fprintf(stderr, "%s: %s; registering again\n", Who().c_str(), s.ToString().c_str());
     std::fflush(stderr);
     absl::SleepFor(backoff);
@@ -526,7 +534,8 @@ absl::Status RankWorker::Run() {
   std::map<std::string, int> missing;  // address -> directory rounds it was not in
   int next_index = 0;
   bool warned_rank = false;
-  const absl::Time resolve_by = absl::Now() + options_.connect_timeout;
+  connect_by_ = absl::Now() + options_.connect_timeout;  // before the sessions' threads start
+  const absl::Time resolve_by = connect_by_;
   for (;;) {
     const std::map<std::string, std::string> directory = ResolveGateways();
     for (const auto& [address, name] : directory) {

@@ -51,7 +51,9 @@ struct RankOptions {
   std::string backend = "cpu";  // "cpu" or "cuda"
   int device = 0;               // CUDA device (backend cuda)
   CpuBackendOptions cpu;        // expert compute threads
-  absl::Duration connect_timeout = absl::Minutes(10);  // how long to wait for the gateway
+  // How long the rank waits at start for its first registration with any gateway (then Run fails
+  // DEADLINE_EXCEEDED); once registered, a lost gateway is waited for without a limit.
+  absl::Duration connect_timeout = absl::Minutes(10);
   bool reconnect = true;                               // register again when the gateway goes away
   int64_t max_message_bytes = int64_t{1} << 30;
   // Fault in every page of the shard at load (predictable first steps; CPU backend).
@@ -181,6 +183,8 @@ class RankWorker {
   std::atomic<int> nccl_session_{-1};
   std::atomic<int64_t> weight_bytes_{0};
   std::atomic<bool> stop_{false};
+  absl::Time connect_by_ = absl::InfiniteFuture();  // set by Run: start + connect_timeout
+  std::atomic<bool> registered_once_{false};        // some session has registered
   RankStepObserver* observer_ = nullptr;
 };
 

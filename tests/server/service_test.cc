@@ -4,7 +4,10 @@
 // Tolerance: relative L2 <= 1e-5 as the issue allows for cross-rank fp32 sum order; in fact the
 // combine accumulates in fp64 (order-independent to 2^-53) and the CPU kernels are batch
 // invariant, so every output must also be bit-identical, which the tests assert.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -22,6 +25,7 @@
 #include "proto/tensor_codec.h"
 #include "tests/server/service_testing.h"
 #include "tests/testing/local_cluster.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/testing/test_checkpoints.h"
 
 namespace moe {
@@ -419,6 +423,32 @@ TEST(ServiceTest, IdleProcessesExitWithinASecondOfSigterm) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
     EXPECT_LT(took, absl::Seconds(1)) << cluster.Logs();
   }
+}
+
+// --connect-timeout-s bounds the wait for a first registration as a whole (retries included):
+// a rank whose gateway never answers exits non-zero, saying so, instead of retrying forever.
+TEST(ServiceTest, ARankWithoutAGatewayExitsAfterItsConnectTimeout) {
+  const std::string dir = testing::FreshTestDir("connect_timeout");
+  // A port nothing listens on: taken and released.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  socklen_t length = sizeof address;
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  close(fd);
+  const absl::Time t0 = absl::Now();
+  testing::ChildProcess rank(
+      {testing::BinaryPath("moe-rank"), "--gateway",
+       absl::StrCat("127.0.0.1:", ntohs(address.sin_port)), "--connect-timeout-s", "2",
+       "--checkpoint", TestCheckpoint("k3-mini"), "--threads", "1"},
+      dir + "/rank.log");
+  const int status = rank.Wait(absl::Seconds(20));
+  ASSERT_NE(status, -1) << "still retrying after 20 s: " << rank.Log();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << status;
+  EXPECT_GE(absl::Now() - t0, absl::Seconds(2));
+  EXPECT_NE(rank.Log().find("within --connect-timeout-s (2 s)"), std::string::npos) << rank.Log();
 }
 
 absl::Duration Percentile(std::vector<absl::Duration> v, double q) {
