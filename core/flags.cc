@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "core/status.h"
 #include "core/version.h"
@@ -57,6 +58,16 @@ int64_t Flags::IntValue(const Flag& flag) const {
   return flag.kind == Kind::kInt ? *static_cast<const int*>(flag.target)
                                  : *static_cast<const int64_t*>(flag.target);
 }
+void Flags::AddChoice(const std::string& name, const std::string& help,
+                      std::vector<std::string> choices, const std::string& default_name,
+                      std::function<void(size_t)> set_choice) {
+  Flag flag{Kind::kChoice, nullptr,
+            absl::StrCat(help, " (", absl::StrJoin(choices, ", "), ")"), default_name};
+  flag.choices = std::move(choices);
+  flag.set_choice = std::move(set_choice);
+  flags_[name] = std::move(flag);
+  order_.push_back(name);
+}
 
 bool Flags::WasSet(const std::string& name) const {
   auto it = flags_.find(name);
@@ -82,6 +93,15 @@ absl::Status Flags::Assign(const std::string& name, Flag& flag, const std::strin
     case Kind::kBool:
       ok = absl::SimpleAtob(value, static_cast<bool*>(flag.target));
       break;
+    case Kind::kChoice: {
+      const auto it = std::find(flag.choices.begin(), flag.choices.end(), value);
+      if (it == flag.choices.end())
+        return absl::InvalidArgumentError(absl::StrCat("--", name, ": '", value,
+                                                       "' is not one of ",
+                                                       absl::StrJoin(flag.choices, ", ")));
+      flag.set_choice(static_cast<size_t>(it - flag.choices.begin()));
+      break;
+    }
   }
   if (!ok)
     return absl::InvalidArgumentError(absl::StrCat("--", name, ": cannot parse '", value, "'"));

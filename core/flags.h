@@ -7,12 +7,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/numerics.h"
 
 namespace moe {
 
@@ -26,6 +28,21 @@ class Flags {
   void Int(const std::string& name, int* value, const std::string& help);
   void Double(const std::string& name, double* value, const std::string& help);
   void Bool(const std::string& name, bool* value, const std::string& help);
+  // One of a fixed set of named values (an enum, or strings that act as one): the flag takes one
+  // of the names in `choices`; anything else is refused with the list. The usage shows the
+  // names and, as the default, the name of the value *value holds when this is called.
+  template <typename T>
+  void Choice(const std::string& name, T* value, std::vector<std::pair<std::string, T>> choices,
+              const std::string& help) {
+    std::vector<std::string> names;
+    std::string default_name;
+    for (const auto& [choice, v] : choices) {
+      names.push_back(choice);
+      if (v == *value) default_name = choice;
+    }
+    AddChoice(name, help, std::move(names), default_name,
+              [value, choices = std::move(choices)](size_t i) { *value = choices[i].second; });
+  }
   // Marks flags that must be given.
   void Require(const std::string& name) { required_.push_back(name); }
   // A value given for int flag `name` must lie in [min, max] (defaults may be sentinels).
@@ -49,14 +66,19 @@ class Flags {
   std::string Usage() const;
 
  private:
-  enum class Kind { kString, kInt64, kInt, kDouble, kBool };
+  enum class Kind { kString, kInt64, kInt, kDouble, kBool, kChoice };
   struct Flag {
     Kind kind;
     void* target;
     std::string help;
     std::string default_text;
     bool set = false;
+    std::vector<std::string> choices;          // kChoice: the names
+    std::function<void(size_t)> set_choice;  // kChoice: stores the value of choices[i]
   };
+  void AddChoice(const std::string& name, const std::string& help,
+                 std::vector<std::string> choices, const std::string& default_name,
+                 std::function<void(size_t)> set_choice);
   absl::Status Assign(const std::string& name, Flag& flag, const std::string& value);
   absl::Status ParseArgs(const std::vector<std::string>& args, const std::string& program,
                          int depth);
@@ -71,5 +93,10 @@ class Flags {
   std::map<std::string, std::pair<int64_t, int64_t>> ranges_;
   bool allow_positional_ = false;
 };
+
+// --dtype's names for the forward pass's precision.
+inline std::vector<std::pair<std::string, Precision>> PrecisionChoices() {
+  return {{"bf16", Precision::kBF16}, {"fp32", Precision::kFP32}};
+}
 
 }  // namespace moe

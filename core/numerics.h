@@ -22,6 +22,7 @@ enum class Precision {
   kBF16,  // default: bf16 operands, fp32 accumulation, bf16 rounding at the contract's points
   kFP32,  // no intermediate rounding; for exactness tests
 };
+inline const char* PrecisionName(Precision p) { return p == Precision::kBF16 ? "bf16" : "fp32"; }
 
 MOE_HD uint32_t FloatBits(float f) {
   uint32_t u;

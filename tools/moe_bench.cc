@@ -40,7 +40,8 @@ namespace moe {
 namespace {
 
 struct LayerOptions {
-  std::string checkpoint, tokens = "1,4,16,64,256,1024", dtype = "bf16", json, plot, label, kernels;
+  std::string checkpoint, tokens = "1,4,16,64,256,1024", json, plot, label, kernels;
+  Precision precision = Precision::kBF16;
   int layer = -1, repeat = 5, threads = 0;
   double max_seconds = 30;  // per token count, after the warm-up
   double buffer_gb = 2.0;
@@ -135,7 +136,7 @@ bool RunGnuplot(const std::string& script) {
 }
 
 absl::Status RunLayer(const LayerOptions& opt) {
-  const Precision precision = opt.dtype == "fp32" ? Precision::kFP32 : Precision::kBF16;
+  const Precision precision = opt.precision;
   ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::Open(opt.checkpoint));
   const MoeConfig& config = checkpoint->config();
   const int layer = opt.layer >= 0 ? opt.layer : checkpoint->layers().front();
@@ -257,7 +258,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
       opt.label.empty() ? absl::StrCat(config.model_type, " layer ", layer) : opt.label;
   std::printf("moe-bench layer: %s (%d experts, top-%d, experts %s), %s, %s, load %.1f s\n",
               name.c_str(), config.routing.num_experts, config.routing.top_k,
-              WeightFormatName(config.expert_format), opt.dtype.c_str(), backend.name().c_str(),
+              WeightFormatName(config.expert_format), PrecisionName(opt.precision), backend.name().c_str(),
               load_s);
   std::printf(
       "machine: streaming read %.1f GB/s at start (%s loads); compute peak %.0f GFLOP/s at start "
@@ -335,7 +336,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
         "\"peak_gflops\": %.3f, \"peak_source\": \"%s\", \"bf16_gflops\": %.3f, "
         "\"fp32_gflops\": %.3f, \"gemm\": \"%s\", \"rows\": [",
         name, config.routing.num_experts, config.routing.top_k,
-        WeightFormatName(config.expert_format), opt.dtype, backend.name(), tier, roof.read_gbps,
+        WeightFormatName(config.expert_format), PrecisionName(opt.precision), backend.name(), tier, roof.read_gbps,
         roof.read_kernel, roof.peak_gflops, roof.peak_source, roof.bf16_gflops, roof.fp32_gflops,
         roof.gemm_source);
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -556,7 +557,7 @@ int main(int argc, char** argv) {
   flags.Double("max-seconds", &opt.max_seconds,
                "stop repeating a token count after this long (>= 3 runs)");
   flags.Int("threads", &opt.threads, "CPU threads (0 = all)");
-  flags.String("dtype", &opt.dtype, "bf16 or fp32");
+  flags.Choice("dtype", &opt.precision, moe::PrecisionChoices(), "the forward pass's precision");
   flags.String("kernels", &opt.kernels,
                "CPU kernel tier: best, avx512-bf16, avx512, avx2 or portable (default: "
                "MOE_CPU_KERNELS, else the best this CPU runs)");

@@ -46,7 +46,8 @@ namespace moe {
 namespace {
 
 struct Options {
-  std::string checkpoint, tokens = "1,16,64,256,1024,4096", dtype = "bf16", gemv_max_rows;
+  std::string checkpoint, tokens = "1,16,64,256,1024,4096", gemv_max_rows;
+  Precision precision = Precision::kBF16;
   int layer = -1, warmup = 3, repeat = 10, device = 0, gemm_size = 8192, copy_mib = 2048;
   bool json = false;
 };
@@ -148,9 +149,7 @@ absl::StatusOr<double> MeasureGemmPeak(cudaStream_t stream, int n) {
 }
 
 absl::Status Run(const Options& opt) {
-  const Precision precision = opt.dtype == "fp32" ? Precision::kFP32 : Precision::kBF16;
-  if (opt.dtype != "bf16" && opt.dtype != "fp32")
-    return absl::InvalidArgumentError("--dtype must be bf16 or fp32");
+  const Precision precision = opt.precision;
   std::vector<int64_t> token_counts;
   for (absl::string_view t : absl::StrSplit(opt.tokens, ',', absl::SkipEmpty())) {
     int64_t v;
@@ -190,7 +189,7 @@ absl::Status Run(const Options& opt) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   std::fprintf(table, "moe-bench-gpu: %s layer %d (%d experts, top-%d, %s experts), %s, %s\n",
                ModelFamilyName(config.family), layer, E, config.routing.top_k,
-               WeightFormatName(config.expert_format), opt.dtype.c_str(), backend->name().c_str());
+               WeightFormatName(config.expert_format), PrecisionName(opt.precision), backend->name().c_str());
   std::fprintf(table, "  weights on device: %.2f GB, loaded in %.1f s\n",
                backend->weight_bytes() / 1e9, load_s);
 
@@ -251,7 +250,7 @@ absl::Status Run(const Options& opt) {
         "  \"experts\": %d,\n  \"top_k\": %d,\n  \"expert_format\": \"%s\",\n"
         "  \"load_seconds\": %s,\n  \"copy_gbps\": %s,\n  \"gemm_tflops\": %s,\n"
         "  \"expert_bytes\": %lld,\n  \"gateway_bytes\": %lld,\n  \"rows\": [",
-        backend->name(), ModelFamilyName(config.family), layer, opt.dtype, E, config.routing.top_k,
+        backend->name(), ModelFamilyName(config.family), layer, PrecisionName(opt.precision), E, config.routing.top_k,
         WeightFormatName(config.expert_format), Num(load_s, 3), Num(copy_gbps, 1),
         Num(gemm_tflops, 1), static_cast<long long>(expert_bytes),
         static_cast<long long>(gateway_bytes));
@@ -285,7 +284,7 @@ int main(int argc, char** argv) {
   flags.String("checkpoint", &opt.checkpoint, "checkpoint directory (config.json + safetensors)");
   flags.String("tokens", &opt.tokens, "comma-separated token counts");
   flags.Int("layer", &opt.layer, "MoE layer index (default: the first in the checkpoint)");
-  flags.String("dtype", &opt.dtype, "bf16 (default contract) or fp32");
+  flags.Choice("dtype", &opt.precision, moe::PrecisionChoices(), "the forward pass's precision");
   flags.Int("warmup", &opt.warmup, "untimed forwards per token count");
   flags.Int("repeat", &opt.repeat, "timed forwards per token count (the median is reported)");
   flags.Int("device", &opt.device, "CUDA device");

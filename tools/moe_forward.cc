@@ -20,8 +20,8 @@ namespace moe {
 namespace {
 
 struct Options {
-  std::string checkpoint, input, output, dtype = "bf16", routing_out, weights_out, kernels,
-                                         placement;
+  std::string checkpoint, input, output, routing_out, weights_out, kernels, placement;
+  Precision precision = Precision::kBF16;
   int layer = -1, threads = 0, ranks = 1, repeat = 1;
 };
 
@@ -37,10 +37,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 }
 
 absl::Status Run(const Options& opt) {
-  const Precision precision = opt.dtype == "fp32" ? Precision::kFP32 : Precision::kBF16;
-  if (opt.dtype != "bf16" && opt.dtype != "fp32")
-    return absl::InvalidArgumentError(
-        absl::StrCat("--dtype must be bf16 or fp32, got '", opt.dtype, "'"));
+  const Precision precision = opt.precision;
   ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::Open(opt.checkpoint));
   const MoeConfig& config = checkpoint->config();
   const int layer = opt.layer >= 0
@@ -95,7 +92,7 @@ absl::Status Run(const Options& opt) {
                "moe-forward: %s layer %d, %lld tokens, %s, %s: load %.2f s, forward %.2f ms "
                "(median of %zu)\n",
                ModelFamilyName(config.family), layer, static_cast<long long>(tokens),
-               opt.dtype.c_str(), backend.name().c_str(), load_s, 1e3 * times[times.size() / 2],
+               PrecisionName(opt.precision), backend.name().c_str(), load_s, 1e3 * times[times.size() / 2],
                times.size());
   return absl::OkStatus();
 }
@@ -116,7 +113,8 @@ int main(int argc, char** argv) {
             "MoE layer index, the checkpoint's own numbering (default: first)");
   flags.String("input", &opt.input, "input .npy");
   flags.String("output", &opt.output, "output .npy (float32)");
-  flags.String("dtype", &opt.dtype, "bf16 (default contract) or fp32 (no intermediate rounding)");
+  flags.Choice("dtype", &opt.precision, moe::PrecisionChoices(),
+               "precision: bf16 is the numerics contract, fp32 rounds nothing in between");
   flags.String("routing-out", &opt.routing_out, "write the chosen expert ids [T, k] (int32 .npy)");
   flags.String("weights-out", &opt.weights_out, "write the routing weights [T, k] (float32 .npy)");
   flags.Int("threads", &opt.threads, "CPU threads (0 = all)");

@@ -23,7 +23,7 @@ void OnSignal(int) { ++g_signals; }
 
 int main(int argc, char** argv) {
   moe::GatewayOptions options;
-  std::string layers, dtype = "bf16";
+  std::string layers;
   int64_t max_wait_us = 0;
   int64_t balance_window_s = 60;
   int64_t step_timeout_ms = 60000;
@@ -74,7 +74,8 @@ int main(int argc, char** argv) {
   flags.Range("max-concurrent-requests", 1, 1 << 20);
   flags.String("layers", &layers,
                "served MoE layers, comma separated (default: all in the checkpoint)");
-  flags.String("dtype", &dtype, "bf16 (the numerics contract) or fp32 (no intermediate rounding)");
+  flags.Choice("dtype", &options.precision, moe::PrecisionChoices(),
+               "precision: bf16 is the numerics contract, fp32 rounds nothing in between");
   flags.String("transport", &options.transport,
                "grpc (CPU hosts) or nccl (GPUs; needs --backend cuda)");
   flags.String("backend", &options.backend, "compute backend: cpu or cuda");
@@ -187,11 +188,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.placement_load_timeout = absl::Seconds(placement_load_timeout_s);
-  options.precision = dtype == "fp32" ? moe::Precision::kFP32 : moe::Precision::kBF16;
-  if (dtype != "bf16" && dtype != "fp32") {
-    std::fprintf(stderr, "moe-gateway: --dtype must be bf16 or fp32\n");
-    return 2;
-  }
   for (absl::string_view part : absl::StrSplit(layers, ',', absl::SkipEmpty())) {
     int layer;
     if (!absl::SimpleAtoi(part, &layer)) {

@@ -51,6 +51,19 @@ TEST(FlagsTest, HiddenFlagsParseButStayOutOfTheUsage) {
   EXPECT_EQ(flags.Usage().find("debug-delay-ms"), std::string::npos) << flags.Usage();
 }
 
+TEST(FlagsTest, ChoicesTakeTheirNamesOnlyAndListThem) {
+  Precision precision = Precision::kBF16;
+  Flags flags("usage: tool");
+  flags.Choice("dtype", &precision, PrecisionChoices(), "precision");
+  EXPECT_NE(flags.Usage().find("precision (bf16, fp32) (default bf16)"), std::string::npos)
+      << flags.Usage();
+  EXPECT_TRUE(ParseArgs(flags, {"tool", "--dtype", "fp32"}).ok());
+  EXPECT_EQ(precision, Precision::kFP32);
+  EXPECT_EQ(ParseArgs(flags, {"tool", "--dtype=fp16"}).message(),
+            "--dtype: 'fp16' is not one of bf16, fp32");
+  EXPECT_EQ(precision, Precision::kFP32);  // unchanged by the refusal
+}
+
 TEST(FlagsTest, RangesPortsPositionalArgumentsAndFlagFiles) {
   int port = 50051, metrics = -1, threads = 0;
   double rate = 1.5;

@@ -298,7 +298,7 @@ TEST_F(CpuBackendTest, ExpertMlpIsBitIdenticalAcrossKernelTiers) {
     for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP4, WeightFormat::kFP8Block128})
       for (Precision p : {Precision::kBF16, Precision::kFP32})
         EXPECT_EQ(RunExpertMlp(backend, f, p), RunExpertMlp(portable_, f, p))
-            << tier->name << " " << WeightFormatName(f) << " " << testing::PrecisionName(p);
+            << tier->name << " " << WeightFormatName(f) << " " << PrecisionName(p);
   }
   if (tiers == 0) GTEST_SKIP() << "this host runs no vector tier: only the portable kernels";
 }

@@ -85,7 +85,7 @@ std::string TierFormatName(
     const ::testing::TestParamInfo<std::tuple<const CpuTier*, WeightFormat, Precision>>& info) {
   return moe::testing::TierTestName(std::get<0>(info.param)) + "_" +
          WeightFormatName(std::get<1>(info.param)) + "_" +
-         moe::testing::PrecisionName(std::get<2>(info.param));
+         moe::PrecisionName(std::get<2>(info.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllTiers, TierDotTest,
@@ -146,7 +146,7 @@ TEST_P(TierCodeTest, EveryFp8CodeExactInEveryPath) {
       const auto portable = OneHotProducts(*PortableDotKernels(), w, p, per_call);
       for (int64_t i = 0; i < k; ++i) {
         ASSERT_EQ(y[i * 2], Fp8E4m3ToFloat(codes[i]))
-            << moe::testing::PrecisionName(p) << " " << per_call << " rows per call, code 0x"
+            << moe::PrecisionName(p) << " " << per_call << " rows per call, code 0x"
             << std::hex << int{codes[i]};
         ASSERT_TRUE(SameBits(y[i * 2], portable[i * 2]));
         ASSERT_TRUE(std::isnan(y[i * 2 + 1])) << "per call " << per_call << " row " << i;
@@ -170,9 +170,9 @@ TEST_P(TierCodeTest, Fp8NanCodeInAnEarlySliceMakesItsRowNaN) {
       const auto want = RunDot(*PortableDotKernels(), packed, m, w.view, p);
       const auto got = RunDot(*tier->kernels(), packed, m, w.view, p);
       for (int64_t i = 0; i < m; ++i) {
-        EXPECT_TRUE(std::isnan(got[i * n + 1])) << moe::testing::PrecisionName(p) << " m=" << m;
+        EXPECT_TRUE(std::isnan(got[i * n + 1])) << moe::PrecisionName(p) << " m=" << m;
         EXPECT_TRUE(SameBits(got[i * n], want[i * n]) && SameBits(got[i * n + 2], want[i * n + 2]))
-            << moe::testing::PrecisionName(p) << " m=" << m << " operand row " << i;
+            << moe::PrecisionName(p) << " m=" << m << " operand row " << i;
       }
     }
 }
@@ -235,7 +235,7 @@ TEST_P(TierCodeTest, EveryMxfp4CodeAndScaleEdgeExactInEveryPath) {
             const float expected = E2m1ToFloat(static_cast<uint8_t>((e + r) % 16)) *
                                    std::ldexp(1.0f, scale_bytes[r * k / 32 + e / 32] - 127);
             ASSERT_EQ(y[e * rows + r], expected)
-                << "k=" << k << " " << moe::testing::PrecisionName(p) << " " << per_call
+                << "k=" << k << " " << moe::PrecisionName(p) << " " << per_call
                 << " rows per call, element " << e << " row " << r;
             ASSERT_TRUE(SameBits(y[e * rows + r], portable[e * rows + r]));
           }

@@ -16,8 +16,6 @@
 
 namespace moe::testing {
 
-inline const char* PrecisionName(Precision p) { return p == Precision::kBF16 ? "bf16" : "fp32"; }
-
 // Packed operand rows in a format's canonical order (the portable packing).
 struct PackedRows {
   std::vector<uint8_t> bytes;

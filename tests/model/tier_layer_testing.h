@@ -69,7 +69,7 @@ TEST_P(TierLayerTest, EveryTierGivesThePortableBits) {
     checked += std::string(" ") + tier->name;
   }
   std::printf("  %s, %lld tokens, %s: bit-identical on%s%s%s\n", model.c_str(),
-              static_cast<long long>(tokens), testing::PrecisionName(precision), checked.c_str(),
+              static_cast<long long>(tokens), PrecisionName(precision), checked.c_str(),
               lacking.empty() ? "" : "; not on this host:", lacking.c_str());
   if (checked.empty()) GTEST_SKIP() << "this host runs no vector tier (lacks" << lacking << ")";
 }
@@ -77,7 +77,7 @@ TEST_P(TierLayerTest, EveryTierGivesThePortableBits) {
 inline std::string CaseName(
     const ::testing::TestParamInfo<std::tuple<std::string, int64_t, Precision>>& info) {
   std::string name = std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "_" +
-                     testing::PrecisionName(std::get<2>(info.param));
+                     PrecisionName(std::get<2>(info.param));
   for (char& c : name)
     if (c == '-') c = '_';
   return name;
