@@ -1,30 +1,45 @@
 #include "server/backend_factory.h"
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "transport/cuda_plugin.h"
 
 namespace moe {
 
-bool BackendBuilt(const std::string& kind) {
-  return kind == "cpu" || (kind == "cuda" && LoadCudaPlugin().ok());
+const char* BackendName(BackendKind kind) { return kind == BackendKind::kCpu ? "cpu" : "cuda"; }
+
+const char* TransportName(TransportKind kind) {
+  return kind == TransportKind::kGrpc ? "grpc" : "nccl";
 }
 
-bool TransportBuilt(const std::string& transport) {
-  return transport == "grpc" || (transport == "nccl" && LoadCudaPlugin().ok());
+std::vector<std::pair<std::string, BackendKind>> BackendChoices() {
+  return {{"cpu", BackendKind::kCpu}, {"cuda", BackendKind::kCuda}};
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, int device,
+std::vector<std::pair<std::string, TransportKind>> TransportChoices() {
+  return {{"grpc", TransportKind::kGrpc}, {"nccl", TransportKind::kNccl}};
+}
+
+absl::StatusOr<TransportKind> ParseTransport(absl::string_view name) {
+  for (const auto& [choice, kind] : TransportChoices())
+    if (name == choice) return kind;
+  return absl::UnimplementedError(
+      absl::StrCat("unknown transport '", absl::CEscape(name.substr(0, 32)), "'"));
+}
+
+bool TransportBuilt(TransportKind transport) {
+  return transport == TransportKind::kGrpc || LoadCudaPlugin().ok();
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind, int device,
                                                        const CpuBackendOptions& cpu) {
-  if (kind == "cpu") {
+  if (kind == BackendKind::kCpu) {
     ASSIGN_OR_RETURN(std::unique_ptr<CpuBackend> backend, CpuBackend::Create(cpu));
     return std::unique_ptr<Backend>(std::move(backend));
   }
-  if (kind == "cuda") {
-    ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
-    return plugin->create_backend(device);
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown backend '", kind, "' (cpu, cuda)"));
+  ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
+  return plugin->create_backend(device);
 }
 
 }  // namespace moe

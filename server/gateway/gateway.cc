@@ -27,14 +27,11 @@ namespace moe {
 
 absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& options) {
   if (options.num_ranks < 1) return absl::InvalidArgumentError("--ranks must be at least 1");
-  if (options.transport != "grpc" && options.transport != "nccl")
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown transport '", options.transport, "' (grpc, nccl)"));
   if (!TransportBuilt(options.transport))
     return absl::UnimplementedError(
-        absl::StrCat("transport '", options.transport,
+        absl::StrCat("transport '", TransportName(options.transport),
                      "' is not available in this build (built without CUDA/NCCL)"));
-  if (options.transport == "nccl" && options.backend != "cuda")
+  if (options.transport == TransportKind::kNccl && options.backend != BackendKind::kCuda)
     return absl::InvalidArgumentError(
         "--transport nccl needs --backend cuda (NCCL moves device memory)");
   if (options.max_concurrent_requests < 1)
@@ -92,7 +89,7 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(const GatewayOptions& o
   gateway->control_ =
       std::make_unique<ClusterControl>(options.num_ranks, options.liveness, gateway->access_.get());
   GatewayTransport* steps = nullptr;
-  if (options.transport == "nccl") {
+  if (options.transport == TransportKind::kNccl) {
     gateway->nccl_ = std::make_shared<DeferredTransport>("nccl");
     steps = gateway->nccl_.get();
     ASSIGN_OR_RETURN(const CudaPluginApi* plugin, LoadCudaPlugin());
@@ -474,8 +471,8 @@ void Gateway::FillRegistration(int rank, moe::v1::internal::RegisterResponse* re
   }
   response->set_precision(
       static_cast<moe::v1::internal::Precision>(WirePrecision(engine_->precision())));
-  response->set_transport(options_.transport);
-  if (options_.transport == "nccl") {
+  response->set_transport(TransportName(options_.transport));
+  if (options_.transport == TransportKind::kNccl) {
     response->set_nccl_unique_id(nccl_unique_id_);
     response->set_nccl_rank(rank);
   }

@@ -24,6 +24,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "model/checkpoint.h"
 #include "security/credentials.h"
+#include "server/backend_factory.h"
 #include "server/control/cluster_control.h"
 #include "server/gateway/access_control.h"
 #include "server/gateway/auto_rebalancer.h"
@@ -60,11 +61,11 @@ struct GatewayOptions {
   // Requests accepted at once (a stream's requests count one each); beyond: RESOURCE_EXHAUSTED.
   int64_t max_concurrent_requests = 1024;
   Precision precision = Precision::kBF16;
-  std::string transport = "grpc";  // "grpc" (CPU hosts) or "nccl" (GPUs)
+  TransportKind transport = TransportKind::kGrpc;  // NCCL on GPUs
   std::string placement_file;      // explicit rank -> experts map; default: contiguous ranges
   BatcherOptions batcher;
   int64_t max_request_tokens = 4096;
-  std::string backend = "cpu";  // "cpu" or "cuda"
+  BackendKind backend = BackendKind::kCpu;
   int device = 0;               // CUDA device (backend cuda)
   CpuBackendOptions cpu;        // gateway compute threads
   // NCCL: how long the communicator may take to form (ranks load their experts first).

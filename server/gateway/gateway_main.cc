@@ -76,9 +76,9 @@ int main(int argc, char** argv) {
                "served MoE layers, comma separated (default: all in the checkpoint)");
   flags.Choice("dtype", &options.precision, moe::PrecisionChoices(),
                "precision: bf16 is the numerics contract, fp32 rounds nothing in between");
-  flags.String("transport", &options.transport,
-               "grpc (CPU hosts) or nccl (GPUs; needs --backend cuda)");
-  flags.String("backend", &options.backend, "compute backend: cpu or cuda");
+  flags.Choice("transport", &options.transport, moe::TransportChoices(),
+               "how steps reach the ranks: grpc on CPU hosts, nccl on GPUs (needs --backend cuda)");
+  flags.Choice("backend", &options.backend, moe::BackendChoices(), "compute backend");
   flags.Int("device", &options.device, "CUDA device of the gateway (--backend cuda)");
   flags.Range("device", 0, 1023);
   flags.String("placement", &options.placement_file,

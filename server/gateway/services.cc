@@ -241,7 +241,7 @@ grpc::Status MoeServiceImpl::GetModelInfo(moe::v1::ModelInfo* info) {
   info->set_expert_format(WeightFormatName(c.expert_format));
   info->set_dense_format(WeightFormatName(c.dense_format));
   info->set_precision(gateway_->engine().precision() == Precision::kBF16 ? "bf16" : "fp32");
-  info->set_transport(gateway_->options().transport);
+  info->set_transport(TransportName(gateway_->options().transport));
   info->set_max_tokens_per_step(gateway_->options().batcher.max_tokens_per_step);
   info->set_max_request_tokens(gateway_->options().max_request_tokens);
   info->set_checkpoint(gateway_->options().checkpoint);

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
                "checkpoint directory, if mounted elsewhere than on the gateway");
   flags.Int("threads", &options.cpu.num_threads, "compute threads (0 = all cores)");
   flags.Range("threads", 0, 4096);
-  flags.String("backend", &options.backend, "compute backend: cpu or cuda");
+  flags.Choice("backend", &options.backend, moe::BackendChoices(), "compute backend");
   flags.Bool(
       "prefault", &options.prefault,
       "touch every page of the experts at load (--prefault=false: fault them in on first use)");

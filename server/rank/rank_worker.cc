@@ -219,9 +219,10 @@ absl::Status RankWorker::Session::RegisterAndLoad(
                                                          : worker_->rank_.load());
   request.set_hostname(Hostname());
   request.set_pid(getpid());
-  request.add_transports("grpc");
-  if (TransportBuilt("nccl") && options.backend == "cuda") request.add_transports("nccl");
-  request.set_backend(options.backend);
+  request.add_transports(TransportName(TransportKind::kGrpc));
+  const bool nccl = TransportBuilt(TransportKind::kNccl) && options.backend == BackendKind::kCuda;
+  if (nccl) request.add_transports(TransportName(TransportKind::kNccl));
+  request.set_backend(BackendName(options.backend));
   request.set_device(worker_->backend_->name());
   grpc::ClientContext context;
   // The token is proven, never sent: a recording of this call cannot be replayed.
@@ -234,13 +235,11 @@ absl::Status RankWorker::Session::RegisterAndLoad(
   RETURN_IF_ERROR_CTX(FromGrpcStatus(stub_->Register(&context, request, registration)),
                       absl::StrCat("registering with ", gateway_));
   worker_->rank_ = registration->rank();
-  if (registration->transport() == "nccl" && (!TransportBuilt("nccl") || options.backend != "cuda"))
-    return absl::FailedPreconditionError(
-        absl::StrCat("the gateway uses transport nccl: start moe-rank with --backend cuda",
-                     TransportBuilt("nccl") ? "" : " (this build has no NCCL transport)"));
-  if (registration->transport() != "grpc" && registration->transport() != "nccl")
-    return absl::UnimplementedError(
-        absl::StrCat("unknown transport '", registration->transport(), "'"));
+  ASSIGN_OR_RETURN(const TransportKind transport, ParseTransport(registration->transport()));
+  if (transport == TransportKind::kNccl && !nccl)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the gateway uses transport nccl: start moe-rank with --backend cuda",
+        TransportBuilt(TransportKind::kNccl) ? "" : " (this build has no NCCL transport)"));
   const absl::Time t0 = absl::Now();
   RETURN_IF_ERROR_CTX(worker_->LoadRegisteredShards(index_, *registration),
                       absl::StrCat("registered with ", gateway_));
@@ -288,7 +287,7 @@ absl::Status RankWorker::Session::Serve(const moe::v1::internal::RegisterRespons
   if (registration.peer_timeout_ms() > 0)
     liveness.peer_timeout = absl::Milliseconds(registration.peer_timeout_ms());
 
-  if (registration.transport() == "grpc") {
+  if (registration.transport() == TransportName(TransportKind::kGrpc)) {
     if (!stream->Write(hello)) return absl::UnavailableError("exchange stream closed before hello");
     GrpcRankTransport transport(
         std::move(context), std::move(stream), worker_->backend_.get(), liveness,

@@ -35,6 +35,7 @@
 #include "model/moe_layer.h"
 #include "moe/v1/internal.grpc.pb.h"
 #include "security/credentials.h"
+#include "server/backend_factory.h"
 #include "transport/grpc_transport.h"
 
 namespace moe {
@@ -48,7 +49,7 @@ struct RankOptions {
   std::string cluster_token;    // the gateway's cluster token ("" = none)
   int requested_rank = -1;      // -1: the gateway picks (one gateway only)
   std::string checkpoint;       // overrides the gateway's path (other mount point)
-  std::string backend = "cpu";  // "cpu" or "cuda"
+  BackendKind backend = BackendKind::kCpu;
   int device = 0;               // CUDA device (backend cuda)
   CpuBackendOptions cpu;        // expert compute threads
   // How long the rank waits at start for its first registration with any gateway (then Run fails
