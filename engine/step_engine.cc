@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 #include "core/status.h"
 
 namespace moe {
@@ -277,8 +278,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
     const std::string message =
         absl::StrCat("layer ", layer, " step ", stats.step_id, ": non-finite output (token ",
                      at / H, ", column ", at % H, "); ", culprit);
-    std::fprintf(stderr, "moe: %s\n", message.c_str());
-    std::fflush(stderr);
+    LogLine("moe: %s", message.c_str());
     stats.ok = false;
     stats.total = absl::Now() - t0;
     if (observer_ != nullptr) observer_->OnStep(stats);

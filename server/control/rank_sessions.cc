@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 
 namespace moe {
 
@@ -71,9 +72,8 @@ absl::Status RankSessions::Serve(int rank, ExchangeServerStream* stream,
         },
         [this, context, rank] {
           const int64_t ms = absl::ToInt64Milliseconds(liveness_.peer_timeout);
-          std::fprintf(stderr, "moe-gateway: rank %d sent nothing for %lld ms: marked down\n", rank,
-                       static_cast<long long>(ms));
-          std::fflush(stderr);
+          LogLine("moe-gateway: rank %d sent nothing for %lld ms: marked down", rank,
+                  static_cast<long long>(ms));
           membership_->SetDown(rank,
                                absl::StrCat("sent nothing for ", ms, " ms (hung or cut off)"));
           context->TryCancel();

@@ -1,11 +1,10 @@
 #include "server/gateway/access_control.h"
 
-#include <cstdio>
-
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/log.h"
 #include "security/tokens.h"
 #include "server/grpc_status.h"
 #include "server/metrics/gateway_metrics.h"
@@ -123,12 +122,9 @@ absl::Status AccessControl::Refuse(absl::string_view peer, absl::string_view pla
   }
   // The peer string comes from the transport, the method from our own tables: nothing the
   // caller chose verbatim reaches the log except through CHexEscape.
-  std::fprintf(
-      stderr, "moe-gateway: refused %s call %s from %s: %s%s\n", std::string(plane).c_str(),
-      std::string(method).c_str(), absl::CHexEscape(peer).c_str(),
-      std::string(status.message()).c_str(),
-      unlogged_ > 0 ? absl::StrCat(" (", unlogged_, " more refusals not logged)").c_str() : "");
-  std::fflush(stderr);
+  LogLine("moe-gateway: refused %s call %s from %s: %s%s", plane, method, absl::CHexEscape(peer),
+          status.message(),
+          unlogged_ > 0 ? absl::StrCat(" (", unlogged_, " more refusals not logged)") : "");
   last_log_ = now;
   unlogged_ = 0;
   return status;

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_format.h"
+#include "core/log.h"
 
 namespace moe {
 
@@ -29,8 +30,7 @@ AutoRebalancer::~AutoRebalancer() {
 }
 
 void AutoRebalancer::Log(const std::string& message) {
-  std::fprintf(stderr, "moe-gateway: auto-rebalance: %s\n", message.c_str());
-  std::fflush(stderr);
+  LogLine("moe-gateway: auto-rebalance: %s", message.c_str());
 }
 
 bool AutoRebalancer::Check() {

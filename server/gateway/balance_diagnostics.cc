@@ -5,6 +5,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/log.h"
 #include "core/status.h"
 
 namespace moe {
@@ -187,9 +188,8 @@ absl::StatusOr<moe::v1::BiasOverride> BalanceDiagnostics::SetRouterBias(int laye
   record.set_layer(layer);
   record.set_source(restore ? absl::StrCat("restored checkpoint bias (", said, ")") : said);
   record.set_installed_at(absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
-  std::fprintf(stderr, "moe-gateway: router bias of layer %d %s by '%s' at %s\n", layer,
-               restore ? "restored" : "overridden", said.c_str(), record.installed_at().c_str());
-  std::fflush(stderr);
+  LogLine("moe-gateway: router bias of layer %d %s by '%s' at %s", layer,
+          restore ? "restored" : "overridden", said.c_str(), record.installed_at().c_str());
   std::lock_guard<std::mutex> lock(mu_);
   overrides_.push_back(record);
   // Model info lists the history: the newest entries only, so it stays a small message.

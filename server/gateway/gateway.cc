@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/host_port.h"
+#include "core/log.h"
 #include "core/status.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -194,13 +195,11 @@ void Gateway::StartNcclGroup() {
   std::thread([deferred, backend, alive, setup, api] {
     auto transport = api->create_nccl_gateway(setup);
     if (!transport.ok()) {
-      std::fprintf(stderr, "moe-gateway: NCCL group failed to form: %s\n",
-                   transport.status().ToString().c_str());
+      LogLine("moe-gateway: NCCL group failed to form: %s", transport.status().ToString().c_str());
       return;
     }
     deferred->Install(std::move(*transport));
-    std::fprintf(stderr, "moe-gateway: NCCL communicator formed (%d ranks + gateway)\n",
-                 setup.num_ranks);
+    LogLine("moe-gateway: NCCL communicator formed (%d ranks + gateway)", setup.num_ranks);
     alive->Notify();
   }).detach();
 }
@@ -493,9 +492,8 @@ absl::StatusOr<PlacementChange> Gateway::ChangePlacement(const std::string& text
   ASSIGN_OR_RETURN(
       ExpertPlacement next,
       ExpertPlacement::Parse(engine_->config().routing.num_experts, text, options_.num_ranks));
-  std::fprintf(stderr, "moe-gateway: placement change requested by %s\n",
-               absl::CEscape(source.substr(0, 256)).c_str());
-  std::fflush(stderr);
+  LogLine("moe-gateway: placement change requested by %s",
+          absl::CEscape(source.substr(0, 256)).c_str());
   const ExpertPlacement staged = next;
   absl::StatusOr<PlacementChange> change =
       placement_changer_->Apply(std::move(next), options_.placement_load_timeout);
@@ -514,15 +512,13 @@ void Gateway::OnRankState(int rank, bool up) {
   std::lock_guard<std::mutex> lock(health_mu_);
   const bool all_up = ready();
   if (rank >= 0)
-    std::fprintf(stderr, "moe-gateway: rank %d %s (%s)\n", rank, up ? "up" : "DOWN",
-                 ReadinessMessage().c_str());
+    LogLine("moe-gateway: rank %d %s (%s)", rank, up ? "up" : "DOWN", ReadinessMessage().c_str());
   if (all_up && control_->membership().num_up() == options_.num_ranks)
-    std::fprintf(stderr, "moe-gateway: ready (%d rank%s)\n", options_.num_ranks,
-                 options_.num_ranks == 1 ? "" : "s");
+    LogLine("moe-gateway: ready (%d rank%s)", options_.num_ranks,
+            options_.num_ranks == 1 ? "" : "s");
   else if (all_up)
-    std::fprintf(stderr, "moe-gateway: serving degraded (%s): every expert has a live replica\n",
-                 ReadinessMessage().c_str());
-  std::fflush(stderr);
+    LogLine("moe-gateway: serving degraded (%s): every expert has a live replica",
+            ReadinessMessage().c_str());
   SetHealthLocked();
 }
 

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "core/log.h"
 
 namespace moe {
 namespace {
@@ -68,10 +69,9 @@ void PlacementChanger::FollowLoop() {
     if (next.ok()) {
       Follow(PlacementGeneration{generation, std::move(*next)});
     } else {
-      std::fprintf(stderr, "moe-gateway: ranks offered placement generation %llu, unusable: %s\n",
-                   static_cast<unsigned long long>(generation),
-                   std::string(next.status().message()).c_str());
-      std::fflush(stderr);
+      LogLine("moe-gateway: ranks offered placement generation %llu, unusable: %s",
+              static_cast<unsigned long long>(generation),
+              std::string(next.status().message()).c_str());
     }
     lock.lock();
   }
@@ -89,11 +89,10 @@ void PlacementChanger::Follow(PlacementGeneration next) {
       engine_->SwitchPlacement(std::move(next.placement), next.generation);
   while (!old.expired()) absl::SleepFor(absl::Milliseconds(1));
   for (int r = 0; r < R; ++r) Keep(r, followed.generation);
-  std::fprintf(stderr,
-               "moe-gateway: serving placement generation %llu (another gateway's change, "
-               "offered by every rank)\n",
-               static_cast<unsigned long long>(followed.generation));
-  std::fflush(stderr);
+  LogLine(
+      "moe-gateway: serving placement generation %llu (another gateway's change, "
+      "offered by every rank)",
+      static_cast<unsigned long long>(followed.generation));
   if (on_follow_) on_follow_(followed);
   if (on_change_) on_change_();
 }
@@ -121,20 +120,18 @@ void PlacementChanger::Send(int rank, const GatewayToRank& message, const char* 
   // A rank down now registers again and is told the generation in use then; a rank whose
   // stream broke in between is being marked down: neither is an error of the change.
   if (absl::Status s = ranks_->SendControl(rank, message); !s.ok()) {
-    std::fprintf(stderr,
-                 "moe-gateway: %s not sent to rank %d (%s): it gets the placement in use "
-                 "when it registers again\n",
-                 what, rank, std::string(s.message()).c_str());
-    std::fflush(stderr);
+    LogLine(
+        "moe-gateway: %s not sent to rank %d (%s): it gets the placement in use "
+        "when it registers again",
+        what, rank, std::string(s.message()).c_str());
   }
 }
 
 void PlacementChanger::CatchUp(int rank) {
   const auto current = engine_->placement();
   if (engine_->RankHolds(rank, current->generation)) return;
-  std::fprintf(stderr, "moe-gateway: rank %d loads placement generation %llu\n", rank,
-               static_cast<unsigned long long>(current->generation));
-  std::fflush(stderr);
+  LogLine("moe-gateway: rank %d loads placement generation %llu", rank,
+          static_cast<unsigned long long>(current->generation));
   Send(rank, LoadMessage(*current, rank), "LoadShards");
 }
 
@@ -166,15 +163,14 @@ void PlacementChanger::OnShardsLoaded(int rank, const moe::v1::internal::ShardsL
   const uint64_t current = engine_->placement()->generation;
   if (loaded.generation() == current && loaded.code() == 0) {
     Keep(rank, current);
-    std::fprintf(stderr, "moe-gateway: rank %d serves placement generation %llu\n", rank,
-                 static_cast<unsigned long long>(current));
-    std::fflush(stderr);
+    LogLine("moe-gateway: rank %d serves placement generation %llu", rank,
+            static_cast<unsigned long long>(current));
     if (on_change_) on_change_();
     return;
   }
   if (loaded.generation() == current)
-    std::fprintf(stderr, "moe-gateway: rank %d could not load placement generation %llu: %s\n",
-                 rank, static_cast<unsigned long long>(current), RankText(loaded.error()).c_str());
+    LogLine("moe-gateway: rank %d could not load placement generation %llu: %s", rank,
+            static_cast<unsigned long long>(current), RankText(loaded.error()).c_str());
   GatewayToRank keep;  // whatever it loaded is not wanted: drop it
   keep.mutable_keep_shards()->set_generation(current);
   Send(rank, keep, "KeepShards");
@@ -275,9 +271,7 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
   }
   if (!failed.ok()) {
     for (int r : targets) Keep(r, old_generation);
-    std::fprintf(stderr, "moe-gateway: placement change called off: %s\n",
-                 std::string(failed.message()).c_str());
-    std::fflush(stderr);
+    LogLine("moe-gateway: placement change called off: %s", std::string(failed.message()).c_str());
     return failed;
   }
 
@@ -290,14 +284,13 @@ absl::StatusOr<PlacementChange> PlacementChanger::Apply(ExpertPlacement next,
   for (int r = 0; r < R; ++r)
     if (ranks_->IsUp(r)) CatchUp(r);  // came up during the change with the old one
   change.took = absl::Now() - t0;
-  std::fprintf(stderr,
-               "moe-gateway: serving placement generation %llu (ranks loaded: %s; down: %s) "
-               "after %.3f s\n",
-               static_cast<unsigned long long>(change.generation),
-               absl::StrJoin(change.ranks_loaded, ",").c_str(),
-               change.ranks_down.empty() ? "none" : absl::StrJoin(change.ranks_down, ",").c_str(),
-               absl::ToDoubleSeconds(change.took));
-  std::fflush(stderr);
+  LogLine(
+      "moe-gateway: serving placement generation %llu (ranks loaded: %s; down: %s) "
+      "after %.3f s",
+      static_cast<unsigned long long>(change.generation),
+      absl::StrJoin(change.ranks_loaded, ",").c_str(),
+      change.ranks_down.empty() ? "none" : absl::StrJoin(change.ranks_down, ",").c_str(),
+      absl::ToDoubleSeconds(change.took));
   if (on_change_) on_change_();
   return change;
 }

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/host_port.h"
+#include "core/log.h"
 #include "core/progress.h"
 #include "core/status.h"
 #include "security/rank_handshake.h"
@@ -246,11 +247,9 @@ absl::Status RankWorker::Session::RegisterAndLoad(
   worker_->Commit(index_, registration->placement_generation());
   const int layers = registration->shards_size();
   const int experts = layers == 0 ? 0 : registration->shards(0).experts_size();
-  std::fprintf(stderr,
-               "%s: %d layers, %d experts each, %.2f GB of weights, backend %s, ready in %.1f s\n",
-               Who().c_str(), layers, experts, worker_->weight_bytes_.load() / 1e9,
-               worker_->backend_->name().c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
-  std::fflush(stderr);
+  LogLine("%s: %d layers, %d experts each, %.2f GB of weights, backend %s, ready in %.1f s",
+          Who().c_str(), layers, experts, worker_->weight_bytes_.load() / 1e9,
+          worker_->backend_->name().c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
   if (worker_->observer_ != nullptr)
     worker_->observer_->OnRegistered(worker_->rank(), worker_->weight_bytes_.load());
   return absl::OkStatus();
@@ -439,12 +438,11 @@ absl::Status RankWorker::Session::Run() {
                            absl::IsAlreadyExists(s);
     if (!worker_->options_.reconnect || !retryable) return s;
     if (!worker_->registered_once_ && absl::Now() >= worker_->connect_by_)
-      return absl::DeadlineExceededError(absl::StrCat(
-          "no gateway took this rank's registration within --connect-timeout-s (",
-          absl::ToInt64Seconds(worker_->options_.connect_timeout), " s); last from ", gateway_,
-          ": ", s.message()));
-    std::fprintf(stderr, "%s: %s; registering again\n", Who().c_str(), s.ToString().c_str());
-    std::fflush(stderr);
+      return absl::DeadlineExceededError(
+          absl::StrCat("no gateway took this rank's registration within --connect-timeout-s (",
+                       absl::ToInt64Seconds(worker_->options_.connect_timeout), " s); last from ",
+                       gateway_, ": ", s.message()));
+    LogLine("%s: %s; registering again", Who().c_str(), s.ToString().c_str());
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, absl::Seconds(1));
   }
@@ -463,7 +461,8 @@ RankWorker::RankWorker(const RankOptions& options) : options_(options) {
   if (options.gateways.empty()) backend_status_ = absl::InvalidArgumentError("no gateway given");
   for (const std::string& entry : options.gateways)
     if (absl::StatusOr<HostPort> parsed = ParseHostPort(entry); !parsed.ok())
-      backend_status_ = absl::InvalidArgumentError(absl::StrCat("--gateway ", parsed.status().message()));
+      backend_status_ =
+          absl::InvalidArgumentError(absl::StrCat("--gateway ", parsed.status().message()));
 }
 
 RankWorker::~RankWorker() {
@@ -502,7 +501,7 @@ std::map<std::string, std::string> RankWorker::ResolveGateways() const {
     if (!addresses.ok()) continue;  // not (yet) in DNS: asked again next round
     // IPv4 when the name has any: a dual-stack name must not count as two gateways.
     const bool any_v4 = std::any_of(addresses->begin(), addresses->end(),
-                                     [](const std::string& a) { return a.front() != '['; });
+                                    [](const std::string& a) { return a.front() != '['; });
     for (const std::string& address : *addresses)
       if (!any_v4 || address.front() != '[') out.emplace(address, parsed->host);
   }
@@ -542,10 +541,10 @@ absl::Status RankWorker::Run() {
       if (active.count(address) != 0) continue;
       if (!active.empty() && options_.requested_rank < 0) {
         if (!warned_rank)
-          std::fprintf(stderr,
-                       "moe-rank: %s is another gateway: serving it needs --rank (every gateway "
-                       "must know this rank by the same id)\n",
-                       address.c_str());
+          LogLine(
+              "moe-rank: %s is another gateway: serving it needs --rank (every gateway "
+              "must know this rank by the same id)",
+              address.c_str());
         warned_rank = true;
         continue;
       }
@@ -586,15 +585,15 @@ absl::Status RankWorker::Run() {
     if (active.empty() && absl::Now() > resolve_by) {
       std::lock_guard<std::mutex> lock(mu);
       if (first_error.ok())
-        first_error = absl::NotFoundError(absl::StrCat(
-            "no gateway address found for --gateway ", absl::StrJoin(options_.gateways, ","),
-            " within --connect-timeout-s"));
+        first_error = absl::NotFoundError(absl::StrCat("no gateway address found for --gateway ",
+                                                       absl::StrJoin(options_.gateways, ","),
+                                                       " within --connect-timeout-s"));
       break;
     }
     std::unique_lock<std::mutex> lock(sessions_mu_);
-    if (sessions_cv_.wait_for(lock, active.empty() ? std::chrono::milliseconds(500)
-                                                   : std::chrono::seconds(5),
-                              [this] { return stop_.load(); }))
+    if (sessions_cv_.wait_for(
+            lock, active.empty() ? std::chrono::milliseconds(500) : std::chrono::seconds(5),
+            [this] { return stop_.load(); }))
       break;
   }
   Stop();
@@ -638,9 +637,8 @@ void RankWorker::Keep(int session, uint64_t generation) {
   }
   weight_bytes_ = bytes;
   Commit(session, generation);
-  std::fprintf(stderr, "moe-rank %d: serving placement generation %llu (%.2f GB of weights)\n",
-               rank_.load(), static_cast<unsigned long long>(generation), bytes / 1e9);
-  std::fflush(stderr);
+  LogLine("moe-rank %d: serving placement generation %llu (%.2f GB of weights)", rank_.load(),
+          static_cast<unsigned long long>(generation), bytes / 1e9);
   if (observer_ != nullptr) observer_->OnRegistered(rank_.load(), bytes);
 }
 
@@ -748,11 +746,10 @@ void RankWorker::LoaderLoop() {
       std::lock_guard<std::mutex> lock(shards_mu_);
       holds_[session].erase(generation);  // what another gateway holds under it stays
     }
-    std::fprintf(stderr, "moe-rank %d: placement generation %llu %s in %.2f s%s%s\n", rank_.load(),
-                 static_cast<unsigned long long>(generation),
-                 built.ok() ? "loaded" : "failed to load", loaded->load_seconds(),
-                 built.ok() ? "" : ": ", built.ok() ? "" : loaded->error().c_str());
-    std::fflush(stderr);
+    LogLine("moe-rank %d: placement generation %llu %s in %.2f s%s%s", rank_.load(),
+            static_cast<unsigned long long>(generation), built.ok() ? "loaded" : "failed to load",
+            loaded->load_seconds(), built.ok() ? "" : ": ",
+            built.ok() ? "" : loaded->error().c_str());
     Answer(session, answer);
   }
 }
