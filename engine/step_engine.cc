@@ -291,7 +291,6 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
   stats.expert_compute =
       t_collected - t_sent;  // ranks' compute + exchange, overlapping the shared experts
   stats.finish = t_done - t_collected;
-  stats.combine = stats.finish;
   stats.total = t_done - t0;
   stats.routing = &routing;
   if (want_scores) stats.router_scores = &scores;

@@ -31,8 +31,9 @@ struct StepStats {
   uint64_t step_id = 0;
   int64_t tokens = 0;
   // expert_compute: from Send to the last partial (the ranks' compute and the exchange, with
-  // `shared` overlapping it).
-  absl::Duration route, dispatch, expert_compute, shared, combine, finish, total;
+  // `shared` overlapping it); finish: the partials combined in rank order, RMSNorm, the latent
+  // up-projection and the shared experts' sum.
+  absl::Duration route, dispatch, expert_compute, shared, finish, total;
   std::vector<int64_t> rank_rows;            // token rows sent to each rank
   std::vector<int> rank_active_experts;      // distinct local experts each rank used
   std::vector<int64_t> rank_bytes_sent;      // bytes the transport put on the wire to each rank

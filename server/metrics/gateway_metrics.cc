@@ -322,7 +322,7 @@ void GatewayMetrics::OnStep(const StepStats& s) {
   stage("route", s.route);
   stage("dispatch", s.dispatch);
   stage("expert_compute", s.expert_compute);
-  stage("combine", s.combine);
+  stage("finish", s.finish);
   stage("total", s.total);
   step_tokens_->Add({{"layer", layer}}, TokenBuckets()).Observe(static_cast<double>(s.tokens));
   const int R = static_cast<int>(s.rank_rows.size());
