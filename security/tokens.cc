@@ -69,11 +69,4 @@ absl::Status CheckBearer(absl::string_view authorization, const std::string& exp
   return absl::OkStatus();
 }
 
-grpc::Status CheckToken(const grpc::ServerContext& context, const std::string& expected,
-                        absl::string_view what) {
-  const absl::Status s = CheckBearer(MetadataValue(context, "authorization"), expected, what);
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
 }  // namespace moe

@@ -33,9 +33,4 @@ std::string MetadataValue(const grpc::ServerContext& context, absl::string_view 
 absl::Status CheckBearer(absl::string_view authorization, const std::string& expected,
                          absl::string_view what);
 
-// Checks an incoming call against `expected` (no check when it is empty). UNAUTHENTICATED,
-// naming `what` ("cluster token", "API token"), when the token is missing or wrong.
-grpc::Status CheckToken(const grpc::ServerContext& context, const std::string& expected,
-                        absl::string_view what);
-
 }  // namespace moe

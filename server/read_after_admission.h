@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
+#include "server/grpc_status.h"
 
 namespace moe {
 
@@ -29,10 +30,9 @@ grpc::Status ReadAfterAdmission(grpc::ServerContext& context,
   Request request;
   if (!stream.Read(&request)) {
     if (context.IsCancelled())
-      return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("the request is not a valid ",
-                                     Request::descriptor()->full_name(), " message"));
+      return ToGrpcStatus(absl::CancelledError("the client cancelled the request"));
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "the request is not a valid ", Request::descriptor()->full_name(), " message")));
   }
   Response response;
   grpc::Status status = handle(request, &response);

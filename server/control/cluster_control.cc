@@ -53,19 +53,18 @@ class ClusterControl::Service final
       return s;
     moe::v1::internal::RankToGateway first;
     if (!stream->Read(&first))
-      return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");
+      return ToGrpcStatus(absl::CancelledError("stream closed before hello"));
     if (!first.has_hello())
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "the first exchange message must be a hello");
+      return ToGrpcStatus(absl::InvalidArgumentError("the first exchange message must be a hello"));
     const auto& hello = first.hello();
     if (hello.rank() != rank || hello.session() != session)
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("the hello names rank ", hello.rank(),
-                                       " and another session than the metadata (rank ", rank, ")"));
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("the hello names rank ", hello.rank(),
+                       " and another session than the metadata (rank ", rank, ")")));
     const auto ranks = control_->ranks();
     if (rank >= static_cast<int>(ranks.size()) || !ranks[rank].registered)
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          absl::StrCat("rank ", rank, " did not register"));
+      return ToGrpcStatus(
+          absl::FailedPreconditionError(absl::StrCat("rank ", rank, " did not register")));
     RankRecord record = ranks[rank];
     record.weight_bytes = hello.weight_bytes();
     record.backend = hello.backend().substr(0, 256);

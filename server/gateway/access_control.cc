@@ -26,17 +26,15 @@ grpc::Status AccessControl::RankPeer(const grpc::ServerContext& context, absl::s
   // misconfigured server can never accept one.
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth == nullptr || !auth->IsPeerAuthenticated())
-    return Refuse(
-        context, "control", method,
-        grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no verified client certificate"));
+    return Refuse(context, "control", method,
+                  absl::UnauthenticatedError("no verified client certificate"));
   for (const grpc::string_ref& uri : auth->FindPropertyValues(GRPC_PEER_URI_PROPERTY_NAME))
     if (absl::string_view(uri.data(), uri.size()) == options_.rank_identity)
       return grpc::Status::OK;
   return Refuse(context, "control", method,
-                grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                             absl::StrCat("the client certificate is not a rank's: it carries no "
-                                          "URI SAN ",
-                                          options_.rank_identity, " (--rank-identity)")));
+                absl::PermissionDeniedError(
+                    absl::StrCat("the client certificate is not a rank's: it carries no URI SAN ",
+                                 options_.rank_identity, " (--rank-identity)")));
 }
 
 namespace {
@@ -55,12 +53,12 @@ grpc::Status AccessControl::RankRegistration(const grpc::ServerContext& context,
   if (grpc::Status s = RankPeer(context, "Register"); !s.ok()) return s;
   if (!ParseRankId(context, requested_rank))
     return Refuse(context, "control", "Register",
-                  grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                               absl::StrCat("no ", kRankIdKey, " metadata (moe-rank sends it)")));
+                  absl::UnauthenticatedError(
+                      absl::StrCat("no ", kRankIdKey, " metadata (moe-rank sends it)")));
   const absl::Status s = handshake_.CheckRegistration(MetadataValue(context, kRankNonceKey),
                                                       MetadataValue(context, kRankProofKey),
                                                       *requested_rank, absl::Now());
-  return s.ok() ? grpc::Status::OK : Refuse(context, "control", "Register", ToGrpcStatus(s));
+  return s.ok() ? grpc::Status::OK : Refuse(context, "control", "Register", s);
 }
 
 grpc::Status AccessControl::RankExchange(const grpc::ServerContext& context, int* rank,
@@ -69,34 +67,34 @@ grpc::Status AccessControl::RankExchange(const grpc::ServerContext& context, int
   *session = MetadataValue(context, kRankSessionKey);
   if (!ParseRankId(context, rank) || *rank < 0)
     return Refuse(context, "control", "Exchange",
-                  grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                               absl::StrCat("no ", kRankIdKey, " metadata (moe-rank sends it)")));
+                  absl::UnauthenticatedError(
+                      absl::StrCat("no ", kRankIdKey, " metadata (moe-rank sends it)")));
   const absl::Status s =
       handshake_.ClaimSession(*rank, *session, MetadataValue(context, kRankProofKey));
   if (s.ok()) return grpc::Status::OK;
   // A session that is merely stale (the rank registered again meanwhile) is the rank's own race,
   // not a refusal of an impostor: not counted.
   if (absl::IsFailedPrecondition(s)) return ToGrpcStatus(s);
-  return Refuse(context, "control", "Exchange", ToGrpcStatus(s));
+  return Refuse(context, "control", "Exchange", s);
 }
 
 grpc::Status AccessControl::Caller(const grpc::ServerContext& context, absl::string_view method) {
-  grpc::Status s = CheckToken(context, options_.api_token, "API token");
-  return s.ok() ? s : Refuse(context, "api", method, s);
+  const absl::Status s =
+      CheckBearer(MetadataValue(context, "authorization"), options_.api_token, "API token");
+  return s.ok() ? grpc::Status::OK : Refuse(context, "api", method, s);
 }
 
 grpc::Status AccessControl::Admin(const grpc::ServerContext& context, absl::string_view method) {
+  const std::string authorization = MetadataValue(context, "authorization");
   if (options_.admin_token.empty()) {
-    grpc::Status s = CheckToken(context, options_.api_token, "API token");
-    return s.ok() ? s : Refuse(context, "admin", method, s);
+    const absl::Status s = CheckBearer(authorization, options_.api_token, "API token");
+    return s.ok() ? grpc::Status::OK : Refuse(context, "admin", method, s);
   }
-  grpc::Status s = CheckToken(context, options_.admin_token, "admin token");
-  if (s.ok()) return s;
+  const absl::Status s = CheckBearer(authorization, options_.admin_token, "admin token");
+  if (s.ok()) return grpc::Status::OK;
   return Refuse(context, "admin", method,
-                grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                             absl::StrCat(s.error_message(),
-                                          ": MoeDiagnostics needs the admin "
-                                          "token (--admin-token-file)")));
+                absl::PermissionDeniedError(absl::StrCat(
+                    s.message(), ": MoeDiagnostics needs the admin token (--admin-token-file)")));
 }
 
 absl::Status AccessControl::HttpCaller(absl::string_view authorization, absl::string_view peer,
@@ -106,8 +104,8 @@ absl::Status AccessControl::HttpCaller(absl::string_view authorization, absl::st
 }
 
 grpc::Status AccessControl::Refuse(const grpc::ServerContext& context, absl::string_view plane,
-                                   absl::string_view method, grpc::Status status) {
-  return ToGrpcStatus(Refuse(context.peer(), plane, method, FromGrpcStatus(status)));
+                                   absl::string_view method, const absl::Status& status) {
+  return ToGrpcStatus(Refuse(context.peer(), plane, method, status));
 }
 
 absl::Status AccessControl::Refuse(absl::string_view peer, absl::string_view plane,

@@ -69,8 +69,9 @@ class AccessControl final : public RankAdmission {
   int64_t refusals() const { return refusals_.load(); }
 
  private:
+  // The status a refused call gets: `status`, counted and logged (the service edge's form).
   grpc::Status Refuse(const grpc::ServerContext& context, absl::string_view plane,
-                      absl::string_view method, grpc::Status status);
+                      absl::string_view method, const absl::Status& status);
   // Counts and logs a refusal of `peer` (rate-limited); returns `status`.
   absl::Status Refuse(absl::string_view peer, absl::string_view plane, absl::string_view method,
                       absl::Status status);

@@ -99,7 +99,7 @@ grpc::Status KServeServiceImpl::ModelStreamInfer(
     if (!stream->Write(reply)) break;
   }
   return context->IsCancelled()
-             ? grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the stream")
+             ? ToGrpcStatus(absl::CancelledError("the client cancelled the stream"))
              : grpc::Status::OK;
 }
 

@@ -213,7 +213,7 @@ grpc::Status MoeServiceImpl::ForwardStream(
     cv.wait_for(lock, std::chrono::milliseconds(20));
   }
   if (context->IsCancelled())
-    return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the stream");
+    return ToGrpcStatus(absl::CancelledError("the client cancelled the stream"));
   return grpc::Status::OK;
 }
 
