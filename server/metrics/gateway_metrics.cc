@@ -40,152 +40,89 @@ GatewayMetrics::GatewayMetrics(const MoeConfig& config, const std::vector<int>& 
       options_(options),
       served_layers_(layers.begin(), layers.end()),
       registry_(std::make_shared<prometheus::Registry>()) {
-  using prometheus::BuildCounter;
-  using prometheus::BuildGauge;
-  using prometheus::BuildHistogram;
-  requests_ =
-      &BuildCounter()
-           .Name("moe_requests_total")
-           .Help("Forward requests by layer and gRPC status code name (OK, UNAVAILABLE, ...)")
-           .Register(*registry_);
-  request_seconds_ = &BuildHistogram()
-                          .Name("moe_request_duration_seconds")
-                          .Help("Forward request latency inside the gateway, by layer")
-                          .Register(*registry_);
+  // Every family is a name and a help text in this registry.
+  auto counter = [this](const char* name, const char* help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(*registry_);
+  };
+  auto gauge = [this](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(*registry_);
+  };
+  auto histogram = [this](const char* name, const char* help) {
+    return &prometheus::BuildHistogram().Name(name).Help(help).Register(*registry_);
+  };
+  requests_ = counter("moe_requests_total",
+                      "Forward requests by layer and gRPC status code name (OK, UNAVAILABLE, ...)");
+  request_seconds_ = histogram("moe_request_duration_seconds",
+                               "Forward request latency inside the gateway, by layer");
   stage_seconds_ =
-      &BuildHistogram()
-           .Name("moe_forward_stage_duration_seconds")
-           .Help(
-               "Time per forward stage: queue (per request), route, dispatch, expert_compute "
-               "(ranks and exchange, overlapping the shared experts), combine, total (per step)")
-           .Register(*registry_);
-  step_tokens_ = &BuildHistogram()
-                      .Name("moe_step_tokens")
-                      .Help("Tokens per step, by layer")
-                      .Register(*registry_);
-  steps_ = &BuildCounter()
-                .Name("moe_steps_total")
-                .Help("Steps run, by layer and result")
-                .Register(*registry_);
+      histogram("moe_forward_stage_duration_seconds",
+                "Time per forward stage: queue (per request), route, dispatch, expert_compute "
+                "(ranks and exchange, overlapping the shared experts), finish, total (per step)");
+  step_tokens_ = histogram("moe_step_tokens", "Tokens per step, by layer");
+  steps_ = counter("moe_steps_total", "Steps run, by layer and result");
   rank_tokens_ =
-      &BuildCounter()
-           .Name("moe_rank_tokens_total")
-           .Help("Token rows dispatched to each rank (a token counts once per rank), by layer")
-           .Register(*registry_);
-  rank_active_experts_ = &BuildGauge()
-                              .Name("moe_rank_active_experts")
-                              .Help("Distinct local experts a rank used in the layer's last step")
-                              .Register(*registry_);
-  balancedness_ =
-      &BuildGauge()
-           .Name("moe_load_balancedness")
-           .Help("Mean over max of tokens per rank over the window (--balance-window-s; 1 = "
-                 "balanced, also when the window is empty), by layer")
-           .Register(*registry_);
-  expert_balancedness_ =
-      &BuildGauge()
-           .Name("moe_expert_balancedness")
-           .Help("Mean over max of tokens per expert over the window, by layer")
-           .Register(*registry_);
-  window_tokens_ = &BuildGauge()
-                        .Name("moe_load_window_tokens")
-                        .Help("Tokens in the balancedness window, by layer (alerts need enough)")
-                        .Register(*registry_);
-  expert_tokens_ = &BuildCounter()
-                        .Name("moe_expert_tokens_total")
-                        .Help("Token assignments per expert (opt-in: --per-expert-metrics)")
-                        .Register(*registry_);
-  rank_up_ = &BuildGauge()
-                  .Name("moe_rank_up")
-                  .Help("1 while the rank's exchange is connected")
-                  .Register(*registry_);
+      counter("moe_rank_tokens_total",
+              "Token rows dispatched to each rank (a token counts once per rank), by layer");
+  rank_active_experts_ = gauge("moe_rank_active_experts",
+                               "Distinct local experts a rank used in the layer's last step");
+  balancedness_ = gauge("moe_load_balancedness",
+                        "Mean over max of tokens per rank over the window (--balance-window-s; 1 = "
+                        "balanced, also when the window is empty), by layer");
+  expert_balancedness_ = gauge("moe_expert_balancedness",
+                               "Mean over max of tokens per expert over the window, by layer");
+  window_tokens_ = gauge("moe_load_window_tokens",
+                         "Tokens in the balancedness window, by layer (alerts need enough)");
+  expert_tokens_ = counter("moe_expert_tokens_total",
+                           "Token assignments per expert (opt-in: --per-expert-metrics)");
+  rank_up_ = gauge("moe_rank_up", "1 while the rank's exchange is connected");
   rank_weight_bytes_ =
-      &BuildGauge()
-           .Name("moe_rank_weight_bytes")
-           .Help("Routed-expert weight bytes resident on each rank (all served layers)")
-           .Register(*registry_);
+      gauge("moe_rank_weight_bytes",
+            "Routed-expert weight bytes resident on each rank (all served layers)");
   // One name per direction, the same on the gateway and on the ranks.
-  sent_bytes_ = &BuildCounter()
-                     .Name("moe_transport_gateway_to_rank_bytes_total")
-                     .Help("Bytes the gateway put on the wire to each rank (rows, framing)")
-                     .Register(*registry_);
-  received_bytes_ = &BuildCounter()
-                         .Name("moe_transport_rank_to_gateway_bytes_total")
-                         .Help("Bytes the gateway took off the wire from each rank (partial sums)")
-                         .Register(*registry_);
-  dropped_results_ = &BuildCounter()
-                          .Name("moe_transport_dropped_results_total")
-                          .Help(
-                              "Results a rank sent for steps the gateway did not await (given up "
-                              "on, or never sent to it): dropped, never kept")
-                          .Register(*registry_);
-  auth_failures_ = &BuildCounter()
-                        .Name("moe_auth_failures_total")
-                        .Help(
-                            "Calls refused for a missing or wrong credential, by plane "
-                            "(control: ranks, api: callers, admin: MoeDiagnostics)")
-                        .Register(*registry_);
+  sent_bytes_ = counter("moe_transport_gateway_to_rank_bytes_total",
+                        "Bytes the gateway put on the wire to each rank (rows, framing)");
+  received_bytes_ = counter("moe_transport_rank_to_gateway_bytes_total",
+                            "Bytes the gateway took off the wire from each rank (partial sums)");
+  dropped_results_ = counter("moe_transport_dropped_results_total",
+                             "Results a rank sent for steps the gateway did not await (given up "
+                             "on, or never sent to it): dropped, never kept");
+  auth_failures_ = counter("moe_auth_failures_total",
+                           "Calls refused for a missing or wrong credential, by plane (control: "
+                           "ranks, api: callers, admin: MoeDiagnostics)");
   for (const char* plane : {"control", "api", "admin"}) auth_failures_->Add({{"plane", plane}});
-  experts_unavailable_ =
-      &BuildGauge()
-           .Name("moe_experts_unavailable")
-           .Help("Experts without a replica on a live rank (not ready while > 0)")
-           .Register(*registry_)
-           .Add({});
+  experts_unavailable_ = &gauge("moe_experts_unavailable",
+                                "Experts without a replica on a live rank (not ready while > 0)")
+                              ->Add({});
   experts_unavailable_->Set(config.routing.num_experts);  // no rank has registered yet
-  failovers_ = &BuildCounter()
-                    .Name("moe_failovers_total")
-                    .Help("Steps sent again to live replicas after a rank went down, by layer")
-                    .Register(*registry_);
+  failovers_ = counter("moe_failovers_total",
+                       "Steps sent again to live replicas after a rank went down, by layer");
   redispatched_rows_ =
-      &BuildCounter()
-           .Name("moe_redispatched_rows_total")
-           .Help("Token rows of lost ranks re-dispatched to other replicas, by layer")
-           .Register(*registry_);
-  placement_generation_ = &BuildGauge()
-                               .Name("moe_placement_generation")
-                               .Help("Expert placement in use: 1 at start, +1 per live change")
-                               .Register(*registry_)
-                               .Add({});
-  expert_replicas_ = &BuildGauge()
-                          .Name("moe_expert_replicas")
-                          .Help("Ranks hosting each routed expert in the placement in use")
-                          .Register(*registry_);
-  placement_changes_ = &BuildCounter()
-                            .Name("moe_placement_changes_total")
-                            .Help("Live re-placements (ApplyPlacement), by result")
-                            .Register(*registry_);
+      counter("moe_redispatched_rows_total",
+              "Token rows of lost ranks re-dispatched to other replicas, by layer");
+  placement_generation_ =
+      &gauge("moe_placement_generation", "Expert placement in use: 1 at start, +1 per live change")
+           ->Add({});
+  expert_replicas_ =
+      gauge("moe_expert_replicas", "Ranks hosting each routed expert in the placement in use");
+  placement_changes_ =
+      counter("moe_placement_changes_total", "Live re-placements (ApplyPlacement), by result");
   for (const char* result : {"ok", "failed"}) placement_changes_->Add({{"result", result}});
   placement_change_seconds_ =
-      &BuildHistogram()
-           .Name("moe_placement_change_duration_seconds")
-           .Help("Live re-placement: from the request to the release of the old experts")
-           .Register(*registry_)
-           .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.1, 1, 10, 60, 300, 1800});
+      &histogram("moe_placement_change_duration_seconds",
+                 "Live re-placement: from the request to the release of the old experts")
+           ->Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.1, 1, 10, 60, 300, 1800});
   SetPlacement(1, placement);
-  requests_in_flight_ = &BuildGauge()
-                             .Name("moe_requests_in_flight")
-                             .Help("Forward requests accepted and not yet answered")
-                             .Register(*registry_)
-                             .Add({});
-  queued_tokens_ = &BuildGauge()
-                        .Name("moe_queue_tokens")
-                        .Help("Tokens of accepted requests waiting for a step, all layers")
-                        .Register(*registry_)
-                        .Add({});
-  stream_buffer_bytes_ = &BuildGauge()
-                              .Name("moe_stream_buffer_bytes")
-                              .Help(
-                                  "Responses held for slow ForwardStream readers, all streams "
-                                  "(queued, and reserved for requests being computed)")
-                              .Register(*registry_)
-                              .Add({});
-  build_info_ = &BuildGauge()
-                     .Name("moe_build_info")
-                     .Help("The build and backend of this process (value 1)")
-                     .Register(*registry_);
-  info_ =
-      &BuildGauge().Name("moe_model_info").Help("The served model (value 1)").Register(*registry_);
+  requests_in_flight_ =
+      &gauge("moe_requests_in_flight", "Forward requests accepted and not yet answered")->Add({});
+  queued_tokens_ =
+      &gauge("moe_queue_tokens", "Tokens of accepted requests waiting for a step, all layers")
+           ->Add({});
+  stream_buffer_bytes_ = &gauge("moe_stream_buffer_bytes",
+                                "Responses held for slow ForwardStream readers, all streams "
+                                "(queued, and reserved for requests being computed)")
+                              ->Add({});
+  build_info_ = gauge("moe_build_info", "The build and backend of this process (value 1)");
+  info_ = gauge("moe_model_info", "The served model (value 1)");
   info_
       ->Add({{"family", ModelFamilyName(config.family)},
              {"model_type", config.model_type},

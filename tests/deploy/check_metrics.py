@@ -2,7 +2,7 @@
 """The Grafana dashboard and the alert rules use only metrics and labels the code exports.
 
 Reads the metric families from the C++ sources (server/**/*.cc: `x_ = &BuildGauge().Name("moe_...")`
-and the label keys of every `x_->Add({{"label", ...}})`), then checks every PromQL expression of
+or GatewayMetrics' `x_ = gauge("moe_...", help)`, and the label keys of every `x_->Add({{"label", ...}})`), then checks every PromQL expression of
 deploy/grafana/dashboards/moe.json (panels, template variables) and deploy/prometheus/alerts.yml:
 metric names exist (histograms as _bucket/_sum/_count), label matchers, by/without clauses,
 legends and $labels.* in annotations name labels those metrics carry (or job/instance and the
@@ -70,6 +70,11 @@ def exported_families(source_dir):
         for m in re.finditer(r"(\w+)\s*=\s*&\s*(?:prometheus::)?Build(Counter|Gauge|Histogram|Summary)\(\)\s*"
                              r"\.Name\(\s*\"([a-zA-Z_:][a-zA-Z0-9_:]*)\"\s*\)", text):
             var, kind, name = m.group(1), m.group(2).lower(), m.group(3)
+            var_to_name[var] = name
+            families.setdefault(name, [kind, set()])
+        # GatewayMetrics' table: `x_ = counter("moe_...", help)` (or `&gauge(...)->Add({})`).
+        for m in re.finditer(r"(\w+)\s*=\s*&?\s*(counter|gauge|histogram)\(\s*\"(moe_[a-zA-Z0-9_:]*)\"", text):
+            var, kind, name = m.group(1), m.group(2), m.group(3)
             var_to_name[var] = name
             families.setdefault(name, [kind, set()])
         for m in re.finditer(r"\.Name\(\s*\"(moe_[a-zA-Z0-9_:]*)\"\s*\)", text):
