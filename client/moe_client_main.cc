@@ -430,18 +430,17 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[std::min(sorted.size() - 1, rank == 0 ? 0 : rank - 1)];
 }
 
-int RunLoad(int argc, char** argv) {
-  LoadConfig cfg;
-  Flags flags(
-      "usage: moe-client load --target HOST:PORT [--layer L] --concurrency N --tokens T\n"
-      "         [--duration-s D | --requests N] [--input x.npy] [--dtype bf16|fp16|fp32]\n"
-      "         [--stream] [--seed S] [--warmup W] [--json]\n\n"
-      "N callers send requests back to back, each with its own N(0,1) input [T, H] (H from\n"
-      "GetModelInfo) or the --input batch. Layers go round-robin over the served ones unless\n"
-      "--layer is given. --stream sends every caller's requests on one shared ForwardStream.\n"
-      "Warm-up requests are not measured. Exit 1 when no measured request succeeded.");
+constexpr char kLoadUsage[] =
+    "usage: moe-client load --target HOST:PORT [--layer L] --concurrency N --tokens T\n"
+    "         [--duration-s D | --requests N] [--input x.npy] [--dtype bf16|fp16|fp32]\n"
+    "         [--stream] [--seed S] [--warmup W] [--json]\n\n"
+    "N callers send requests back to back, each with its own N(0,1) input [T, H] (H from\n"
+    "GetModelInfo) or the --input batch. Layers go round-robin over the served ones unless\n"
+    "--layer is given. --stream sends every caller's requests on one shared ForwardStream.\n"
+    "Warm-up requests are not measured. Exit 1 when no measured request succeeded.";
+
+void DefineLoadFlags(Flags& flags, LoadConfig& cfg, Connection& connection) {
   flags.String("target", &cfg.target, "server address HOST:PORT");
-  Connection connection;
   connection.AddFlags(flags);
   flags.Int("layer", &cfg.layer, "only this layer; without it, every served layer round-robin");
   flags.Int("concurrency", &cfg.concurrency, "concurrent callers");
@@ -460,19 +459,133 @@ int RunLoad(int argc, char** argv) {
   flags.Int("timeout-ms", &cfg.timeout_ms, "deadline of each request (0: none)");
   flags.Bool("json", &cfg.json, "print one JSON object instead of the table");
   flags.Require("target");
-  flags.ParseOrExit(argc, argv, 2);
+}
 
-  if (cfg.concurrency < 1) return UsageError("--concurrency must be >= 1");
-  if (cfg.warmup < 0) return UsageError("--warmup must be >= 0");
+// The combinations the flags alone do not check.
+absl::Status CheckLoadConfig(const Flags& flags, LoadConfig& cfg) {
+  if (cfg.concurrency < 1) return absl::InvalidArgumentError("--concurrency must be >= 1");
+  if (cfg.warmup < 0) return absl::InvalidArgumentError("--warmup must be >= 0");
   if (flags.WasSet("duration-s") && flags.WasSet("requests"))
-    return UsageError("give --duration-s or --requests, not both");
-  if (flags.WasSet("requests") && cfg.requests < 1) return UsageError("--requests must be >= 1");
+    return absl::InvalidArgumentError("give --duration-s or --requests, not both");
+  if (flags.WasSet("requests") && cfg.requests < 1)
+    return absl::InvalidArgumentError("--requests must be >= 1");
   if (flags.WasSet("duration-s") && !(cfg.duration_s > 0))
-    return UsageError("--duration-s must be > 0");
+    return absl::InvalidArgumentError("--duration-s must be > 0");
   if (!flags.WasSet("requests") && !flags.WasSet("duration-s")) cfg.duration_s = 10;
   if (!cfg.input.empty() && flags.WasSet("tokens"))
-    return UsageError("--tokens comes from the --input file; give one of them");
-  if (cfg.input.empty() && cfg.tokens < 1) return UsageError("--tokens must be >= 1");
+    return absl::InvalidArgumentError("--tokens comes from the --input file; give one of them");
+  if (cfg.input.empty() && cfg.tokens < 1)
+    return absl::InvalidArgumentError("--tokens must be >= 1");
+  return absl::OkStatus();
+}
+
+// While it lives, a line on stderr every second with the counts of `ok` and `errors`.
+class ProgressLine {
+ public:
+  ProgressLine(const std::atomic<int64_t>& ok, const std::atomic<int64_t>& errors)
+      : thread_([this, &ok, &errors] {
+          const auto t0 = std::chrono::steady_clock::now();
+          std::unique_lock<std::mutex> lock(mu_);
+          int64_t last_ok = 0;
+          while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return done_; })) {
+            const int64_t ok_now = ok.load();
+            std::fprintf(
+                stderr, "moe-client load: %.0f s, %lld ok (%lld in the last second), %lld errors\n",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                static_cast<long long>(ok_now), static_cast<long long>(ok_now - last_ok),
+                static_cast<long long>(errors.load()));
+            last_ok = ok_now;
+          }
+        }) {}
+  ~ProgressLine() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;   // guarded by mu_
+  std::thread thread_;  // last: started once the members above exist
+};
+
+// The run's table (or with --json one JSON object) on stdout; returns the requests that succeeded.
+int64_t PrintLoadReport(const LoadConfig& cfg, const std::vector<int>& layers,
+                        const std::vector<int64_t>& shape, int64_t tokens_per_request,
+                        double elapsed_s, CallerTally& total) {
+  std::vector<double>& lat = total.latency_ms;
+  std::sort(lat.begin(), lat.end());
+  const int64_t ok = lat.size();
+  int64_t errors = 0;
+  for (const auto& [code, n] : total.errors) errors += n;
+  double mean_ms = 0;
+  for (double v : lat) mean_ms += v;
+  mean_ms = ok > 0 ? mean_ms / ok : 0;
+  const double rps = elapsed_s > 0 ? ok / elapsed_s : 0;
+  const double tps = rps * tokens_per_request;
+  const double per_ok = ok > 0 ? 1.0 / ok : 0;
+
+  if (cfg.json) {
+    nlohmann::json j;
+    j["target"] = cfg.target;
+    j["layers"] = layers;
+    j["concurrency"] = cfg.concurrency;
+    j["tokens_per_request"] = tokens_per_request;
+    j["shape"] = shape;
+    j["dtype"] = cfg.dtype;
+    j["stream"] = cfg.stream;
+    j["warmup_per_caller"] = cfg.warmup;
+    j["requests"] = ok + errors;
+    j["ok"] = ok;
+    nlohmann::json errs = nlohmann::json::object();
+    for (const auto& [code, n] : total.errors) errs[absl::StatusCodeToString(code)] = n;
+    j["errors"] = errs;
+    j["duration_s"] = elapsed_s;
+    j["latency_ms"] = {{"p50", Percentile(lat, 50)},
+                       {"p90", Percentile(lat, 90)},
+                       {"p99", Percentile(lat, 99)},
+                       {"max", lat.empty() ? 0.0 : lat.back()},
+                       {"mean", mean_ms}};
+    j["requests_per_s"] = rps;
+    j["tokens_per_s"] = tps;
+    j["gateway"] = {{"queue_us_mean", total.queue_us * per_ok},
+                    {"step_us_mean", total.step_us * per_ok},
+                    {"step_tokens_mean", total.step_tokens * per_ok}};
+    std::puts(j.dump().c_str());
+  } else {
+    std::printf("moe-client load: %s, layers %s, %d callers, [%s] %s, %s\n", cfg.target.c_str(),
+                Ranges({layers.begin(), layers.end()}).c_str(), cfg.concurrency,
+                absl::StrJoin(shape, ", ").c_str(), cfg.dtype.c_str(),
+                cfg.stream ? "one ForwardStream" : "unary");
+    std::printf("  %-14s %lld (ok %lld, errors %lld)\n", "requests",
+                static_cast<long long>(ok + errors), static_cast<long long>(ok),
+                static_cast<long long>(errors));
+    for (const auto& [code, n] : total.errors)
+      std::printf("  %-14s %lld %s: %s\n", "", static_cast<long long>(n),
+                  absl::StatusCodeToString(code).c_str(), total.first_message[code].c_str());
+    std::printf("  %-14s p50 %.3f  p90 %.3f  p99 %.3f  max %.3f  (mean %.3f)\n", "latency ms",
+                Percentile(lat, 50), Percentile(lat, 90), Percentile(lat, 99),
+                lat.empty() ? 0.0 : lat.back(), mean_ms);
+    std::printf("  %-14s %.1f requests/s, %.0f tokens/s over %.2f s\n", "throughput", rps, tps,
+                elapsed_s);
+    std::printf("  %-14s queue %.0f us, step %.0f us, %.1f tokens per step (means)\n", "gateway",
+                total.queue_us * per_ok, total.step_us * per_ok, total.step_tokens * per_ok);
+  }
+  return ok;
+}
+
+int RunLoad(int argc, char** argv) {
+  LoadConfig cfg;
+  Flags flags(kLoadUsage);
+  Connection connection;
+  DefineLoadFlags(flags, cfg, connection);
+  flags.ParseOrExit(argc, argv, 2);
+  if (absl::Status s = CheckLoadConfig(flags, cfg); !s.ok())
+    return UsageError(std::string(s.message()));
   ForwardOptions options;
   {
     absl::StatusOr<moe::v1::DType> wire = ParseWireDType(cfg.dtype);
@@ -600,31 +713,11 @@ int RunLoad(int argc, char** argv) {
 
   std::vector<std::thread> threads;
   for (int i = 0; i < cfg.concurrency; ++i) threads.emplace_back(caller, i);
-  // A progress line on stderr every second (warm-up included), so a long run is never silent.
-  std::mutex progress_mu;
-  std::condition_variable progress_cv;
-  bool callers_done = false;
-  std::thread progress([&] {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::unique_lock<std::mutex> lock(progress_mu);
-    int64_t last_ok = 0;
-    while (!progress_cv.wait_for(lock, std::chrono::seconds(1), [&] { return callers_done; })) {
-      const int64_t ok_now = progress_ok.load();
-      std::fprintf(stderr,
-                   "moe-client load: %.0f s, %lld ok (%lld in the last second), %lld errors\n",
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                   static_cast<long long>(ok_now), static_cast<long long>(ok_now - last_ok),
-                   static_cast<long long>(progress_errors.load()));
-      last_ok = ok_now;
-    }
-  });
-  for (std::thread& t : threads) t.join();
   {
-    std::lock_guard<std::mutex> lock(progress_mu);
-    callers_done = true;
+    // A line on stderr every second (warm-up included), so a long run is never silent.
+    ProgressLine progress(progress_ok, progress_errors);
+    for (std::thread& t : threads) t.join();
   }
-  progress_cv.notify_all();
-  progress.join();
   for (const absl::Status& s : setup)
     if (!s.ok()) return Fail(s);
   if (session) {
@@ -637,64 +730,7 @@ int RunLoad(int argc, char** argv) {
   const double elapsed_s =
       std::chrono::duration<double>(*std::max_element(finished.begin(), finished.end()) - start)
           .count();
-  std::vector<double>& lat = total.latency_ms;
-  std::sort(lat.begin(), lat.end());
-  const int64_t ok = lat.size();
-  int64_t errors = 0;
-  for (const auto& [code, n] : total.errors) errors += n;
-  double mean_ms = 0;
-  for (double v : lat) mean_ms += v;
-  mean_ms = ok > 0 ? mean_ms / ok : 0;
-  const double rps = elapsed_s > 0 ? ok / elapsed_s : 0;
-  const double tps = rps * tokens_per_request;
-  const double per_ok = ok > 0 ? 1.0 / ok : 0;
-
-  if (cfg.json) {
-    nlohmann::json j;
-    j["target"] = cfg.target;
-    j["layers"] = layers;
-    j["concurrency"] = cfg.concurrency;
-    j["tokens_per_request"] = tokens_per_request;
-    j["shape"] = shape;
-    j["dtype"] = cfg.dtype;
-    j["stream"] = cfg.stream;
-    j["warmup_per_caller"] = cfg.warmup;
-    j["requests"] = ok + errors;
-    j["ok"] = ok;
-    nlohmann::json errs = nlohmann::json::object();
-    for (const auto& [code, n] : total.errors) errs[absl::StatusCodeToString(code)] = n;
-    j["errors"] = errs;
-    j["duration_s"] = elapsed_s;
-    j["latency_ms"] = {{"p50", Percentile(lat, 50)},
-                       {"p90", Percentile(lat, 90)},
-                       {"p99", Percentile(lat, 99)},
-                       {"max", lat.empty() ? 0.0 : lat.back()},
-                       {"mean", mean_ms}};
-    j["requests_per_s"] = rps;
-    j["tokens_per_s"] = tps;
-    j["gateway"] = {{"queue_us_mean", total.queue_us * per_ok},
-                    {"step_us_mean", total.step_us * per_ok},
-                    {"step_tokens_mean", total.step_tokens * per_ok}};
-    std::puts(j.dump().c_str());
-  } else {
-    std::printf("moe-client load: %s, layers %s, %d callers, [%s] %s, %s\n", cfg.target.c_str(),
-                Ranges({layers.begin(), layers.end()}).c_str(), cfg.concurrency,
-                absl::StrJoin(shape, ", ").c_str(), cfg.dtype.c_str(),
-                cfg.stream ? "one ForwardStream" : "unary");
-    std::printf("  %-14s %lld (ok %lld, errors %lld)\n", "requests",
-                static_cast<long long>(ok + errors), static_cast<long long>(ok),
-                static_cast<long long>(errors));
-    for (const auto& [code, n] : total.errors)
-      std::printf("  %-14s %lld %s: %s\n", "", static_cast<long long>(n),
-                  absl::StatusCodeToString(code).c_str(), total.first_message[code].c_str());
-    std::printf("  %-14s p50 %.3f  p90 %.3f  p99 %.3f  max %.3f  (mean %.3f)\n", "latency ms",
-                Percentile(lat, 50), Percentile(lat, 90), Percentile(lat, 99),
-                lat.empty() ? 0.0 : lat.back(), mean_ms);
-    std::printf("  %-14s %.1f requests/s, %.0f tokens/s over %.2f s\n", "throughput", rps, tps,
-                elapsed_s);
-    std::printf("  %-14s queue %.0f us, step %.0f us, %.1f tokens per step (means)\n", "gateway",
-                total.queue_us * per_ok, total.step_us * per_ok, total.step_tokens * per_ok);
-  }
+  const int64_t ok = PrintLoadReport(cfg, layers, shape, tokens_per_request, elapsed_s, total);
   if (ok == 0) {
     std::fprintf(stderr, "moe-client: no request succeeded\n");
     return 1;
