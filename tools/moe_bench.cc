@@ -57,7 +57,7 @@ struct Row {
   double peak_gflops;  // the same for the compute peak
   double weight_bytes, flops, bw_ms, flop_ms, roofline_ms;
   double route_ms, experts_ms, shared_ms, finish_ms;  // stage split of the median run
-  double stage_bytes[4], stage_flops[4];  // route, experts, shared, finish
+  double stage_bytes[4], stage_flops[4];              // route, experts, shared, finish
 };
 
 constexpr const char* kStageNames[4] = {"route", "experts", "shared", "finish"};
@@ -133,6 +133,152 @@ bool RunGnuplot(const std::string& script) {
   while (waitpid(pid, &status, 0) < 0)
     if (errno != EINTR) return false;
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// What the reports of a layer run say besides its rows.
+struct LayerRun {
+  std::string name, tier, backend;
+  int threads = 0;
+  double load_s = 0;
+  bench::Roofline roof;
+};
+
+// The rows against the roofline, each stage against the machine, and the M2N cost model.
+void PrintLayerRun(const LayerRun& run, const MoeConfig& config, Precision precision,
+                   const std::vector<Row>& rows) {
+  std::printf("moe-bench layer: %s (%d experts, top-%d, experts %s), %s, %s, load %.1f s\n",
+              run.name.c_str(), config.routing.num_experts, config.routing.top_k,
+              WeightFormatName(config.expert_format), PrecisionName(precision), run.backend.c_str(),
+              run.load_s);
+  std::printf(
+      "machine: streaming read %.1f GB/s at start (%s loads); compute peak %.0f GFLOP/s at start "
+      "(%s, the %s tier's multiply-add, %d threads); each row: the best probes around its runs; "
+      "GEMM library %.0f GFLOP/s bf16, %.0f fp32 (%s, for reference)\n",
+      run.roof.read_gbps, run.roof.read_kernel.c_str(), run.roof.peak_gflops,
+      run.roof.peak_source.c_str(), run.tier.c_str(), run.threads, run.roof.bf16_gflops,
+      run.roof.fp32_gflops, run.roof.gemm_source.c_str());
+  std::printf("%7s %12s %10s %10s %8s %10s %9s %9s %9s %10s %10s %11s %9s   %s\n", "tokens", "tier",
+              "median ms", "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s", "peak GF/s",
+              "bw ms", "flop ms", "roofline ms", "x roof", "route / experts / shared / finish ms");
+  for (const Row& r : rows)
+    std::printf(
+        "%7lld %12s %10.2f %10.0f %8d %10.3f %9.2f %9.1f %9.0f %10.2f %10.2f %11.2f %9.2f   %.1f / "
+        "%.1f / %.1f / %.1f\n",
+        static_cast<long long>(r.tokens), run.tier.c_str(), r.median_ms,
+        r.tokens / (r.median_ms / 1e3), r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9,
+        r.read_gbps, r.peak_gflops, r.bw_ms, r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms,
+        r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms);
+
+  // Each stage against the machine: the weight bytes it read, at what share of the row's read
+  // probe, and its FLOP rate as a share of the compute peak (what bounds it at large batches).
+  std::printf(
+      "stages (median run; GB/s = the stage's weight bytes / its time; %% = of the row's read "
+      "probe and compute peak):\n%7s",
+      "tokens");
+  for (const char* stage : kStageNames)
+    std::printf(" %27s", absl::StrCat(stage, ": MB, GB/s (%), GF/s (%)").c_str());
+  std::printf("\n");
+  for (const Row& r : rows) {
+    std::printf("%7lld", static_cast<long long>(r.tokens));
+    for (int stage = 0; stage < 4; ++stage) {
+      const double ms = std::max(StageMs(r, stage), 1e-6);
+      const double gbps = r.stage_bytes[stage] / (ms * 1e6);
+      const double gflops = r.stage_flops[stage] / (ms * 1e6);
+      std::printf(" %27s",
+                  absl::StrFormat("%.1f, %.1f (%.0f%%), %.0f (%.0f%%)", r.stage_bytes[stage] / 1e6,
+                                  gbps, 100 * gbps / r.read_gbps, gflops,
+                                  r.peak_gflops > 0 ? 100 * gflops / r.peak_gflops : 0)
+                      .c_str());
+    }
+    std::printf("\n");
+  }
+
+  // Several gateways over one rank pool: what a gateway and the ranks spend per token. The
+  // gateway runs route + shared + finish for every token; the experts divide across the ranks.
+  const int threads = run.threads;
+  std::printf(
+      "M2N cost model (%d threads per process, from the stage split; a rank is a process like "
+      "this one):\n%7s %16s %16s %13s %s\n",
+      threads, "tokens", "gateway cpu-ms/t", "ranks cpu-ms/t", "ranks/gateway",
+      "tokens/s one gateway feeds with R = 1 / 2 / 4 / 8 / 16 ranks (G: gateway-bound)");
+  for (const Row& r : rows) {
+    const double gateway_ms = r.route_ms + r.shared_ms + r.finish_ms;
+    const double per_token = 1.0 / static_cast<double>(r.tokens);
+    std::string rates;
+    for (int ranks : {1, 2, 4, 8, 16}) {
+      const double gateway_rate = r.tokens / (gateway_ms / 1e3);
+      const double pool_rate = ranks * r.tokens / (r.experts_ms / 1e3);
+      absl::StrAppend(&rates, ranks == 1 ? "" : " / ",
+                      absl::StrFormat("%.0f%s", std::min(gateway_rate, pool_rate),
+                                      gateway_rate < pool_rate ? "G" : ""));
+    }
+    std::printf("%7lld %16.3f %16.3f %13.2f %s\n", static_cast<long long>(r.tokens),
+                gateway_ms * threads * per_token, r.experts_ms * threads * per_token,
+                r.experts_ms / gateway_ms, rates.c_str());
+  }
+}
+
+void WriteLayerJson(const std::string& path, const LayerRun& run, const MoeConfig& config,
+                    Precision precision, const std::vector<Row>& rows) {
+  std::ofstream out(path);
+  out << absl::StrFormat(
+      "{\"model\": \"%s\", \"experts\": %d, \"top_k\": %d, \"expert_format\": \"%s\", \"dtype\": "
+      "\"%s\", "
+      "\"backend\": \"%s\", \"tier\": \"%s\", \"read_gbps\": %.3f, \"read_kernel\": \"%s\", "
+      "\"peak_gflops\": %.3f, \"peak_source\": \"%s\", \"bf16_gflops\": %.3f, "
+      "\"fp32_gflops\": %.3f, \"gemm\": \"%s\", \"rows\": [",
+      run.name, config.routing.num_experts, config.routing.top_k,
+      WeightFormatName(config.expert_format), PrecisionName(precision), run.backend, run.tier,
+      run.roof.read_gbps, run.roof.read_kernel, run.roof.peak_gflops, run.roof.peak_source,
+      run.roof.bf16_gflops, run.roof.fp32_gflops, run.roof.gemm_source);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    out << absl::StrFormat(
+        "%s{\"tokens\": %d, \"tier\": \"%s\", \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": "
+        "%d, "
+        "\"experts_touched\": %d, \"read_gbps\": %.3f, \"peak_gflops\": %.3f, "
+        "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
+        "\"roofline_ms\": %.4f, "
+        "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
+        "\"finish_ms\": %.3f, \"gateway_cpu_ms_per_token\": %.4f, "
+        "\"ranks_cpu_ms_per_token\": %.4f, \"stages\": [%s]}",
+        i ? ", " : "", r.tokens, run.tier, r.median_ms, r.min_ms, r.runs, r.experts_touched,
+        r.read_gbps, r.peak_gflops, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms,
+        r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms,
+        (r.route_ms + r.shared_ms + r.finish_ms) * run.threads / r.tokens,
+        r.experts_ms * run.threads / r.tokens, StagesJson(r));
+  }
+  out << "]}\n";
+}
+
+// A gnuplot chart of time against the roofline (PNG at `plot`, its data and script beside it).
+void WriteLayerPlot(const std::string& plot, const LayerRun& run, const std::vector<Row>& rows) {
+  const std::string data = plot + ".dat", script = plot + ".gp";
+  {
+    std::ofstream d(data);
+    for (const Row& r : rows)
+      d << r.tokens << " " << r.median_ms << " " << r.roofline_ms << " " << r.bw_ms << " "
+        << r.flop_ms << "\n";
+  }
+  std::ofstream g(script);
+  // gnuplot's single-quoted strings take a quote as two; paths and the label may hold one.
+  auto quoted = [](const std::string& s) {
+    return absl::StrCat("'", absl::StrReplaceAll(s, {{"'", "''"}}), "'");
+  };
+  // noenhanced: "kimi_k3" is a name, not k3 as a subscript.
+  g << "set terminal pngcairo size 900,560 font ',11'\nset termoption noenhanced\n"
+    << "set output " << quoted(plot) << "\n"
+    << "set title " << quoted(absl::StrCat(run.name, ": time vs roofline (", run.backend, ")"))
+    << "\n"
+    << "set logscale xy\nset xlabel 'tokens per step'\nset ylabel 'ms'\nset grid\nset key top "
+       "left\n"
+    << "plot " << quoted(data) << " u 1:2 w lp lw 2 pt 7 t 'measured (median)', " << quoted(data)
+    << " u 1:3 w l lw 2 dt 2 t 'roofline max(bytes/BW, FLOPs/peak)', " << quoted(data)
+    << " u 1:4 w l lw 1 dt 3 t 'weights / read BW', " << quoted(data)
+    << " u 1:5 w l lw 1 dt 4 t 'FLOPs / compute peak'\n";
+  g.close();
+  if (!RunGnuplot(script))
+    std::fprintf(stderr, "moe-bench: gnuplot failed; data in %s\n", data.c_str());
 }
 
 absl::Status RunLayer(const LayerOptions& opt) {
@@ -254,138 +400,16 @@ absl::Status RunLayer(const LayerOptions& opt) {
                  r.median_ms, r.runs);
   }
 
-  const std::string name =
-      opt.label.empty() ? absl::StrCat(config.model_type, " layer ", layer) : opt.label;
-  std::printf("moe-bench layer: %s (%d experts, top-%d, experts %s), %s, %s, load %.1f s\n",
-              name.c_str(), config.routing.num_experts, config.routing.top_k,
-              WeightFormatName(config.expert_format), PrecisionName(opt.precision), backend.name().c_str(),
-              load_s);
-  std::printf(
-      "machine: streaming read %.1f GB/s at start (%s loads); compute peak %.0f GFLOP/s at start "
-      "(%s, the %s tier's multiply-add, %d threads); each row: the best probes around its runs; "
-      "GEMM library %.0f GFLOP/s bf16, %.0f fp32 (%s, for reference)\n",
-      roof.read_gbps, roof.read_kernel.c_str(), roof.peak_gflops, roof.peak_source.c_str(),
-      tier.c_str(), backend.num_threads(), roof.bf16_gflops, roof.fp32_gflops,
-      roof.gemm_source.c_str());
-  std::printf("%7s %12s %10s %10s %8s %10s %9s %9s %9s %10s %10s %11s %9s   %s\n", "tokens", "tier",
-              "median ms", "tokens/s", "experts", "weights GB", "GFLOP", "read GB/s", "peak GF/s",
-              "bw ms", "flop ms", "roofline ms", "x roof", "route / experts / shared / finish ms");
-  for (const Row& r : rows)
-    std::printf(
-        "%7lld %12s %10.2f %10.0f %8d %10.3f %9.2f %9.1f %9.0f %10.2f %10.2f %11.2f %9.2f   %.1f / "
-        "%.1f / %.1f / %.1f\n",
-        static_cast<long long>(r.tokens), tier.c_str(), r.median_ms, r.tokens / (r.median_ms / 1e3),
-        r.experts_touched, r.weight_bytes / 1e9, r.flops / 1e9, r.read_gbps, r.peak_gflops, r.bw_ms,
-        r.flop_ms, r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms,
-        r.shared_ms, r.finish_ms);
-
-  // Each stage against the machine: the weight bytes it read, at what share of the row's read
-  // probe, and its FLOP rate as a share of the compute peak (what bounds it at large batches).
-  std::printf(
-      "stages (median run; GB/s = the stage's weight bytes / its time; %% = of the row's read "
-      "probe and compute peak):\n%7s",
-      "tokens");
-  for (const char* stage : kStageNames)
-    std::printf(" %27s", absl::StrCat(stage, ": MB, GB/s (%), GF/s (%)").c_str());
-  std::printf("\n");
-  for (const Row& r : rows) {
-    std::printf("%7lld", static_cast<long long>(r.tokens));
-    for (int stage = 0; stage < 4; ++stage) {
-      const double ms = std::max(StageMs(r, stage), 1e-6);
-      const double gbps = r.stage_bytes[stage] / (ms * 1e6);
-      const double gflops = r.stage_flops[stage] / (ms * 1e6);
-      std::printf(" %27s",
-                  absl::StrFormat("%.1f, %.1f (%.0f%%), %.0f (%.0f%%)", r.stage_bytes[stage] / 1e6,
-                                  gbps, 100 * gbps / r.read_gbps, gflops,
-                                  r.peak_gflops > 0 ? 100 * gflops / r.peak_gflops : 0)
-                      .c_str());
-    }
-    std::printf("\n");
-  }
-
-  // Several gateways over one rank pool: what a gateway and the ranks spend per token. The
-  // gateway runs route + shared + finish for every token; the experts divide across the ranks.
-  const int threads = backend.num_threads();
-  std::printf(
-      "M2N cost model (%d threads per process, from the stage split; a rank is a process like "
-      "this one):\n%7s %16s %16s %13s %s\n",
-      threads, "tokens", "gateway cpu-ms/t", "ranks cpu-ms/t", "ranks/gateway",
-      "tokens/s one gateway feeds with R = 1 / 2 / 4 / 8 / 16 ranks (G: gateway-bound)");
-  for (const Row& r : rows) {
-    const double gateway_ms = r.route_ms + r.shared_ms + r.finish_ms;
-    const double per_token = 1.0 / static_cast<double>(r.tokens);
-    std::string rates;
-    for (int ranks : {1, 2, 4, 8, 16}) {
-      const double gateway_rate = r.tokens / (gateway_ms / 1e3);
-      const double pool_rate = ranks * r.tokens / (r.experts_ms / 1e3);
-      absl::StrAppend(&rates, ranks == 1 ? "" : " / ",
-                      absl::StrFormat("%.0f%s", std::min(gateway_rate, pool_rate),
-                                      gateway_rate < pool_rate ? "G" : ""));
-    }
-    std::printf("%7lld %16.3f %16.3f %13.2f %s\n", static_cast<long long>(r.tokens),
-                gateway_ms * threads * per_token, r.experts_ms * threads * per_token,
-                r.experts_ms / gateway_ms, rates.c_str());
-  }
-
-  if (!opt.json.empty()) {
-    std::ofstream out(opt.json);
-    out << absl::StrFormat(
-        "{\"model\": \"%s\", \"experts\": %d, \"top_k\": %d, \"expert_format\": \"%s\", \"dtype\": "
-        "\"%s\", "
-        "\"backend\": \"%s\", \"tier\": \"%s\", \"read_gbps\": %.3f, \"read_kernel\": \"%s\", "
-        "\"peak_gflops\": %.3f, \"peak_source\": \"%s\", \"bf16_gflops\": %.3f, "
-        "\"fp32_gflops\": %.3f, \"gemm\": \"%s\", \"rows\": [",
-        name, config.routing.num_experts, config.routing.top_k,
-        WeightFormatName(config.expert_format), PrecisionName(opt.precision), backend.name(), tier, roof.read_gbps,
-        roof.read_kernel, roof.peak_gflops, roof.peak_source, roof.bf16_gflops, roof.fp32_gflops,
-        roof.gemm_source);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      out << absl::StrFormat(
-          "%s{\"tokens\": %d, \"tier\": \"%s\", \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": "
-          "%d, "
-          "\"experts_touched\": %d, \"read_gbps\": %.3f, \"peak_gflops\": %.3f, "
-          "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
-          "\"roofline_ms\": %.4f, "
-          "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
-          "\"finish_ms\": %.3f, \"gateway_cpu_ms_per_token\": %.4f, "
-          "\"ranks_cpu_ms_per_token\": %.4f, \"stages\": [%s]}",
-          i ? ", " : "", r.tokens, tier, r.median_ms, r.min_ms, r.runs, r.experts_touched,
-          r.read_gbps, r.peak_gflops, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms,
-          r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms,
-          (r.route_ms + r.shared_ms + r.finish_ms) * threads / r.tokens,
-          r.experts_ms * threads / r.tokens, StagesJson(r));
-    }
-    out << "]}\n";
-  }
-  if (!opt.plot.empty()) {
-    const std::string data = opt.plot + ".dat", script = opt.plot + ".gp";
-    {
-      std::ofstream d(data);
-      for (const Row& r : rows)
-        d << r.tokens << " " << r.median_ms << " " << r.roofline_ms << " " << r.bw_ms << " "
-          << r.flop_ms << "\n";
-    }
-    std::ofstream g(script);
-    // gnuplot's single-quoted strings take a quote as two; paths and the label may hold one.
-    auto quoted = [](const std::string& s) {
-      return absl::StrCat("'", absl::StrReplaceAll(s, {{"'", "''"}}), "'");
-    };
-    // noenhanced: "kimi_k3" is a name, not k3 as a subscript.
-    g << "set terminal pngcairo size 900,560 font ',11'\nset termoption noenhanced\n"
-      << "set output " << quoted(opt.plot) << "\n"
-      << "set title " << quoted(absl::StrCat(name, ": time vs roofline (", backend.name(), ")"))
-      << "\n"
-      << "set logscale xy\nset xlabel 'tokens per step'\nset ylabel 'ms'\nset grid\nset key top "
-         "left\n"
-      << "plot " << quoted(data) << " u 1:2 w lp lw 2 pt 7 t 'measured (median)', " << quoted(data)
-      << " u 1:3 w l lw 2 dt 2 t 'roofline max(bytes/BW, FLOPs/peak)', " << quoted(data)
-      << " u 1:4 w l lw 1 dt 3 t 'weights / read BW', " << quoted(data)
-      << " u 1:5 w l lw 1 dt 4 t 'FLOPs / compute peak'\n";
-    g.close();
-    if (!RunGnuplot(script))
-      std::fprintf(stderr, "moe-bench: gnuplot failed; data in %s\n", data.c_str());
-  }
+  LayerRun run;
+  run.name = opt.label.empty() ? absl::StrCat(config.model_type, " layer ", layer) : opt.label;
+  run.tier = tier;
+  run.backend = backend.name();
+  run.threads = backend.num_threads();
+  run.load_s = load_s;
+  run.roof = roof;
+  PrintLayerRun(run, config, precision, rows);
+  if (!opt.json.empty()) WriteLayerJson(opt.json, run, config, precision, rows);
+  if (!opt.plot.empty()) WriteLayerPlot(opt.plot, run, rows);
   return absl::OkStatus();
 }
 
