@@ -443,8 +443,8 @@ int Cluster::StopAll(int exit_code) {
     gateways.push_back(gateway.pid);
   }
   if (!gateways.empty())
-    patient = WaitForExits(gateways, absl::Now() + absl::Seconds(options_.drain_timeout_s +
-                                                                  options_.stop_timeout_s));
+    patient = WaitForExits(
+        gateways, absl::Now() + absl::Seconds(options_.drain_timeout_s + options_.stop_timeout_s));
   if (patient) {
     group_.SignalAll(SIGTERM);
     std::vector<pid_t> all = gateways;
@@ -488,18 +488,17 @@ int Cluster::Run() {
     Child child;
     child.name = G == 1 ? "gateway" : absl::StrCat("gateway ", g);
     child.gateway = true;
-    child.argv = {options_.bin_dir + "/moe-gateway", "--checkpoint", options_.checkpoint,
-                  "--port", std::to_string(options_.port + g), "--ranks",
-                  std::to_string(options_.ranks)};
+    child.argv = {
+        options_.bin_dir + "/moe-gateway", "--checkpoint", options_.checkpoint,           "--port",
+        std::to_string(options_.port + g), "--ranks",      std::to_string(options_.ranks)};
     if (options_.metrics_port >= 0) {
       const int port = options_.metrics_port > 0 ? options_.metrics_port + g : 0;
       child.argv.insert(child.argv.end(), {"--metrics-port", std::to_string(port)});
     }
-    child.argv.insert(child.argv.end(),
-                      {"--host", options_.host, "--drain-timeout-s",
-                       absl::StrCat(options_.drain_timeout_s), "--control-port",
-                       std::to_string(options_.control_port + g), "--cluster-token-file",
-                       options_.cluster_token_file});
+    child.argv.insert(child.argv.end(), {"--host", options_.host, "--drain-timeout-s",
+                                         absl::StrCat(options_.drain_timeout_s), "--control-port",
+                                         std::to_string(options_.control_port + g),
+                                         "--cluster-token-file", options_.cluster_token_file});
     tls_flags(child.argv, options_.tls.cert, options_.tls.key);
     child.argv.insert(child.argv.end(), options_.gateway_extra.begin(),
                       options_.gateway_extra.end());
@@ -508,16 +507,15 @@ int Cluster::Run() {
     gateways_.push_back(std::move(child));
     if (gateways_.back().pid < 0) return StopAll(1);
     connect_addresses_.push_back(HostPort(ConnectHost(options_.host), options_.port + g));
-    control_addresses.push_back(
-        HostPort(ConnectHost(options_.host), options_.control_port + g));
+    control_addresses.push_back(HostPort(ConnectHost(options_.host), options_.control_port + g));
     public_addresses.push_back(HostPort(options_.host, options_.port + g));
   }
 
   for (int g = 0; g < G; ++g) {
     while (!PortAcceptsConnections(ConnectHost(options_.host), options_.port + g)) {
       if (absl::Now() >= ready_deadline) {
-        return not_ready(absl::StrCat("gateway ", g, " does not accept connections on ",
-                                      connect_addresses_[g]));
+        return not_ready(
+            absl::StrCat("gateway ", g, " does not accept connections on ", connect_addresses_[g]));
       }
       switch (Wait(std::min(ready_deadline, absl::Now() + absl::Milliseconds(100)))) {
         case Event::kStopSignal:
@@ -545,8 +543,7 @@ int Cluster::Run() {
     if (!options_.tls.server_name.empty())
       child.argv.insert(child.argv.end(), {"--tls-server-name", options_.tls.server_name});
     if (options_.threads_per_rank > 0) {
-      child.argv.insert(child.argv.end(),
-                        {"--threads", std::to_string(options_.threads_per_rank)});
+      child.argv.insert(child.argv.end(), {"--threads", std::to_string(options_.threads_per_rank)});
     }
     if (options_.metrics_port >= 0) {
       // 0 stays 0 (every process picks a free port and logs it), as moe-gateway and moe-rank.
@@ -631,17 +628,7 @@ absl::StatusOr<std::string> MakeTokenDir() {
   return pattern;
 }
 
-int Main(int argc, char** argv) {
-  // Everything after `--` goes to the gateway untouched.
-  int flag_end = argc;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--") {
-      flag_end = i;
-      break;
-    }
-  }
-  ClusterOptions options;
-  Flags flags(kUsage);
+void DefineFlags(Flags& flags, ClusterOptions& options) {
   flags.String("checkpoint", &options.checkpoint, "checkpoint directory, passed to moe-gateway");
   flags.Int("ranks", &options.ranks, "number of moe-rank processes");
   flags.Range("ranks", 1, 4096);
@@ -689,6 +676,20 @@ int Main(int argc, char** argv) {
              "start a rank that dies again (backoff 1 s doubling to 30 s) instead of stopping");
   flags.Bool("restart-gateways", &options.restart_gateways,
              "start a gateway that dies again (backoff as --restart-ranks) instead of stopping");
+}
+
+int Main(int argc, char** argv) {
+  // Everything after `--` goes to the gateway untouched.
+  int flag_end = argc;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--") {
+      flag_end = i;
+      break;
+    }
+  }
+  ClusterOptions options;
+  Flags flags(kUsage);
+  DefineFlags(flags, options);
   flags.Require("checkpoint");
   flags.Require("ranks");
   flags.AllowPositional();  // refused below with a hint: gateway flags go after --
@@ -718,8 +719,8 @@ int Main(int argc, char** argv) {
       {options.port, options.port + G - 1, "--port"},
       {options.control_port, options.control_port + G - 1, "the control ports"}};
   if (options.metrics_port > 0)
-    ranges.push_back({options.metrics_port, options.metrics_port + G + options.ranks - 1,
-                      "--metrics-port"});
+    ranges.push_back(
+        {options.metrics_port, options.metrics_port + G + options.ranks - 1, "--metrics-port"});
   for (size_t a = 0; a < ranges.size(); ++a) {
     if (ranges[a].first < 1 || ranges[a].last > 65535)
       return usage_error(absl::StrCat(ranges[a].what, ": ports ", ranges[a].first, "..",
