@@ -124,6 +124,30 @@ absl::Status StepEngine::SetRouterBias(int layer, std::vector<float> bias) {
   return absl::OkStatus();
 }
 
+absl::Status StepEngine::FailStep(StepStats& stats, absl::Time t0, absl::Status status) {
+  stats.ok = false;
+  stats.total = absl::Now() - t0;
+  if (observer_ != nullptr) observer_->OnStep(stats);
+  return status;
+}
+
+absl::Status StepEngine::GatherParts(const DispatchPlan& plan, MatrixView expert_input,
+                                     Workspace& ws, StepDispatch* dispatch,
+                                     std::vector<int64_t>* rank_rows) {
+  const int R = static_cast<int>(plan.ranks.size());
+  rank_rows->assign(R, 0);
+  for (int r = 0; r < R; ++r) {
+    const RankDispatch& rd = plan.ranks[r];
+    const int64_t m = static_cast<int64_t>(rd.token_rows.size());
+    (*rank_rows)[r] = m;
+    if (m == 0) continue;
+    ASSIGN_OR_RETURN(MatrixView rows, ws.Matrix(kRankRows + r, m, expert_input.cols));
+    RETURN_IF_ERROR(backend_->GatherRows(expert_input, rd.token_rows, rows));
+    dispatch->parts.push_back({r, rows, &rd.assignments});
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time deadline,
                                  ActivationRows* out, Routing* routing_out, StepStats* stats_out,
                                  UnservedTokens* unserved) {
@@ -204,16 +228,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
     dispatch.layer = layer;
     dispatch.precision = precision;
     dispatch.placement_generation = placement->generation;
-    stats.rank_rows.assign(R, 0);
-    for (int r = 0; r < R; ++r) {
-      const RankDispatch& rd = plan.ranks[r];
-      const int64_t m = static_cast<int64_t>(rd.token_rows.size());
-      stats.rank_rows[r] = m;
-      if (m == 0) continue;
-      ASSIGN_OR_RETURN(MatrixView rows, ws.Matrix(kRankRows + r, m, D));
-      RETURN_IF_ERROR(backend_->GatherRows(expert_input, rd.token_rows, rows));
-      dispatch.parts.push_back({r, rows, &rd.assignments});
-    }
+    RETURN_IF_ERROR(GatherParts(plan, expert_input, ws, &dispatch, &stats.rank_rows));
     status = transport_->Send(dispatch);
     t_sent = absl::Now();
     if (!shared_done) {  // the shared experts run while the ranks compute, once
@@ -252,12 +267,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
     ++stats.failovers;
     stats.redispatched_rows += lost_rows;
   }
-  if (!status.ok()) {
-    stats.ok = false;
-    stats.total = absl::Now() - t0;
-    if (observer_ != nullptr) observer_->OnStep(stats);
-    return status;
-  }
+  if (!status.ok()) return FailStep(stats, t0, status);
 
   ASSIGN_OR_RETURN(MatrixView output, ws.Matrix(kOutput, tokens, H));
   RETURN_IF_ERROR(state.math->Finish(combined, shared, precision, output));
@@ -279,10 +289,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
         absl::StrCat("layer ", layer, " step ", stats.step_id, ": non-finite output (token ",
                      at / H, ", column ", at % H, "); ", culprit);
     LogLine("moe: %s", message.c_str());
-    stats.ok = false;
-    stats.total = absl::Now() - t0;
-    if (observer_ != nullptr) observer_->OnStep(stats);
-    return absl::InternalError(message);
+    return FailStep(stats, t0, absl::InternalError(message));
   }
   const absl::Time t_done = absl::Now();
 

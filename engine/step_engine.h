@@ -127,6 +127,12 @@ class StepEngine {
     bool bias_pending = false;  // guarded by bias_mu: `bias` not installed in `math` yet
   };
   StepEngine() = default;
+  // A failed step: counted by the observer, `status` returned.
+  absl::Status FailStep(StepStats& stats, absl::Time t0, absl::Status status);
+  // Each rank's rows of `plan` gathered from `expert_input` into the workspace, as `dispatch`'s
+  // parts; the row counts into `rank_rows`.
+  absl::Status GatherParts(const DispatchPlan& plan, MatrixView expert_input, Workspace& ws,
+                           StepDispatch* dispatch, std::vector<int64_t>* rank_rows);
 
   MoeConfig config_;
   Precision precision_ = Precision::kBF16;
