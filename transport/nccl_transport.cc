@@ -376,22 +376,21 @@ bool NcclGatewayTransport::broken() const {
   return state_->comm.broken();
 }
 
-absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
-  State& st = *state_;
-  std::unique_lock<std::mutex> lock(st.mu);
-  // One step on the wire at a time (the buffers are per peer): a step of another layer waits
-  // here until the one in flight is collected or abandoned, which its own deadline bounds.
-  st.slot_free.wait(lock, [&] { return !st.in_flight || st.shut_down || st.comm.broken(); });
-  if (st.shut_down) return absl::FailedPreconditionError("NCCL transport was shut down");
-  if (st.peer_down.load() && !st.comm.broken()) st.comm.Abort(st.peer_down_why);
-  if (st.comm.broken()) return st.comm.BrokenStatus();
-  // Validate everything before the first byte moves.
-  const int R = st.R();
-  const bool bf16 = dispatch.precision == Precision::kBF16;
-  const size_t esize = bf16 ? 2 : 4;
-  std::vector<int64_t> rows(R, 0), assignments(R, 0);
+namespace {
+
+// What a step's parts hold, per rank: rows, assignments; the common width and the pinned bytes
+// their metadata takes. INVALID_ARGUMENT for parts out of rank order or inconsistent with their
+// assignments (nothing has moved yet).
+struct PartSizes {
+  std::vector<int64_t> rows, assignments;
   int64_t width = -1;
   size_t meta_total = 0;
+};
+
+absl::StatusOr<PartSizes> SizeParts(const StepDispatch& dispatch, int R) {
+  PartSizes sizes;
+  sizes.rows.assign(R, 0);
+  sizes.assignments.assign(R, 0);
   int previous = -1;
   for (const RankPart& part : dispatch.parts) {
     if (part.rank <= previous || part.rank >= R)
@@ -406,15 +405,37 @@ absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
         a->gates.size() != a->local_experts.size())
       return absl::InvalidArgumentError(
           absl::StrCat("NCCL Send: rank ", part.rank, ": assignments do not match ", n, " rows"));
-    if (width >= 0 && part.rows.cols != width)
+    if (sizes.width >= 0 && part.rows.cols != sizes.width)
       return absl::InvalidArgumentError("NCCL Send: parts of one step differ in width");
-    width = part.rows.cols;
-    if (n > 0 && (part.rows.data == nullptr || part.rows.stride < width || width <= 0))
+    sizes.width = part.rows.cols;
+    if (n > 0 && (part.rows.data == nullptr || part.rows.stride < sizes.width || sizes.width <= 0))
       return absl::InvalidArgumentError("NCCL Send: bad rows view");
-    rows[part.rank] = n;
-    assignments[part.rank] = static_cast<int64_t>(a->local_experts.size());
-    if (n > 0) meta_total += Align16(MetaBytes(n, assignments[part.rank]));
+    sizes.rows[part.rank] = n;
+    sizes.assignments[part.rank] = static_cast<int64_t>(a->local_experts.size());
+    if (n > 0) sizes.meta_total += Align16(MetaBytes(n, sizes.assignments[part.rank]));
   }
+  return sizes;
+}
+
+}  // namespace
+
+absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
+  State& st = *state_;
+  std::unique_lock<std::mutex> lock(st.mu);
+  // One step on the wire at a time (the buffers are per peer): a step of another layer waits
+  // here until the one in flight is collected or abandoned, which its own deadline bounds.
+  st.slot_free.wait(lock, [&] { return !st.in_flight || st.shut_down || st.comm.broken(); });
+  if (st.shut_down) return absl::FailedPreconditionError("NCCL transport was shut down");
+  if (st.peer_down.load() && !st.comm.broken()) st.comm.Abort(st.peer_down_why);
+  if (st.comm.broken()) return st.comm.BrokenStatus();
+  // Validate everything before the first byte moves.
+  const bool bf16 = dispatch.precision == Precision::kBF16;
+  const size_t esize = bf16 ? 2 : 4;
+  ASSIGN_OR_RETURN(const PartSizes sizes, SizeParts(dispatch, st.R()));
+  const std::vector<int64_t>& rows = sizes.rows;
+  const std::vector<int64_t>& assignments = sizes.assignments;
+  const int64_t width = sizes.width;
+  const size_t meta_total = sizes.meta_total;
 
   cuda::ScopedDevice guard(st.device);
   CUDA_RETURN_IF_ERROR(guard.status());
