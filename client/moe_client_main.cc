@@ -578,6 +578,23 @@ int64_t PrintLoadReport(const LoadConfig& cfg, const std::vector<int>& layers,
   return ok;
 }
 
+// Caller `index`'s request, encoded once: the --input batch, or N(0, 1) values of `shape` from
+// the seed (cfg.seed, index).
+absl::StatusOr<moe::v1::ForwardRequest> CallerRequest(const LoadConfig& cfg,
+                                                      const std::vector<int64_t>& shape,
+                                                      const NpyArray* file_input,
+                                                      const ForwardOptions& options, int index) {
+  if (file_input != nullptr) return MakeForwardRequest(0, shape, file_input->data.data(), options);
+  int64_t elements = 1;
+  for (int64_t d : shape) elements *= d;
+  std::seed_seq seq{static_cast<uint64_t>(cfg.seed), static_cast<uint64_t>(index)};
+  std::mt19937_64 rng(seq);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(elements);
+  for (float& v : x) v = normal(rng);
+  return MakeForwardRequest(0, shape, x.data(), options);
+}
+
 int RunLoad(int argc, char** argv) {
   LoadConfig cfg;
   Flags flags(kLoadUsage);
@@ -648,18 +665,8 @@ int RunLoad(int argc, char** argv) {
 
   auto caller = [&](int index) {
     CallerTally& tally = tallies[index];
-    // Each caller's own input, encoded once.
-    absl::StatusOr<moe::v1::ForwardRequest> prepared;
-    if (!cfg.input.empty()) {
-      prepared = MakeForwardRequest(0, shape, file_input.data.data(), options);
-    } else {
-      std::seed_seq seq{static_cast<uint64_t>(cfg.seed), static_cast<uint64_t>(index)};
-      std::mt19937_64 rng(seq);
-      std::normal_distribution<float> normal(0.0f, 1.0f);
-      std::vector<float> x(elements);
-      for (float& v : x) v = normal(rng);
-      prepared = MakeForwardRequest(0, shape, x.data(), options);
-    }
+    absl::StatusOr<moe::v1::ForwardRequest> prepared =
+        CallerRequest(cfg, shape, cfg.input.empty() ? nullptr : &file_input, options, index);
     if (!prepared.ok()) {
       setup[index] = prepared.status();
       stop = true;

@@ -124,6 +124,26 @@ absl::Status StepEngine::SetRouterBias(int layer, std::vector<float> bias) {
   return absl::OkStatus();
 }
 
+absl::Status StepEngine::InstallPendingBias(LayerState& state) {
+  std::lock_guard<std::mutex> bias_lock(state.bias_mu);
+  if (!state.bias_pending) return absl::OkStatus();
+  RETURN_IF_ERROR(state.math->SetRouterBias(state.bias));
+  state.bias_pending = false;
+  return absl::OkStatus();
+}
+
+int64_t StepEngine::MarkLostRanks(const StepDispatch& dispatch, uint64_t generation,
+                                  std::vector<bool>* live) const {
+  int64_t lost_rows = 0;
+  // Lost: down, or no longer holding the step's placement (it came back with a newer one).
+  for (const RankPart& part : dispatch.parts)
+    if (!membership_->IsUp(part.rank) || !RankHolds(part.rank, generation)) {
+      (*live)[part.rank] = false;
+      lost_rows += part.rows.rows;
+    }
+  return lost_rows;
+}
+
 absl::Status StepEngine::FailStep(StepStats& stats, absl::Time t0, absl::Status status) {
   stats.ok = false;
   stats.total = absl::Now() - t0;
@@ -161,13 +181,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
     return absl::NotFoundError(absl::StrCat("layer ", layer, " is not served"));
   LayerState& state = *it->second;
   std::lock_guard<std::mutex> lock(state.mu);
-  {
-    std::lock_guard<std::mutex> bias_lock(state.bias_mu);
-    if (state.bias_pending) {
-      RETURN_IF_ERROR(state.math->SetRouterBias(state.bias));
-      state.bias_pending = false;
-    }
-  }
+  RETURN_IF_ERROR(InstallPendingBias(state));
   Workspace& ws = *state.workspace;
   const int64_t H = config_.hidden_size, D = config_.expert_input_size();
   // The step's placement, held to its end (a re-placement waits for it before the ranks drop
@@ -256,13 +270,7 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
     t_collected = absl::Now();
     if (status.ok()) break;
     transport_->Abandon(dispatch.step_id);
-    int64_t lost_rows = 0;
-    // Lost: down, or no longer holding the step's placement (it came back with a newer one).
-    for (const RankPart& part : dispatch.parts)
-      if (!membership_->IsUp(part.rank) || !RankHolds(part.rank, placement->generation)) {
-        live[part.rank] = false;
-        lost_rows += part.rows.rows;
-      }
+    const int64_t lost_rows = MarkLostRanks(dispatch, placement->generation, &live);
     if (lost_rows == 0 || absl::Now() >= deadline || attempt >= R) break;
     ++stats.failovers;
     stats.redispatched_rows += lost_rows;
@@ -292,11 +300,9 @@ absl::Status StepEngine::RunStep(int layer, const ActivationRows& x, absl::Time 
     return FailStep(stats, t0, absl::InternalError(message));
   }
   const absl::Time t_done = absl::Now();
-
   stats.route = t_routed - t0;
   stats.dispatch = t_sent - t_routed;
-  stats.expert_compute =
-      t_collected - t_sent;  // ranks' compute + exchange, overlapping the shared experts
+  stats.expert_compute = t_collected - t_sent;  // overlapping the shared experts
   stats.finish = t_done - t_collected;
   stats.total = t_done - t0;
   stats.routing = &routing;

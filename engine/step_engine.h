@@ -127,6 +127,12 @@ class StepEngine {
     bool bias_pending = false;  // guarded by bias_mu: `bias` not installed in `math` yet
   };
   StepEngine() = default;
+  // The newest router bias, when one is waiting (the step holds state.mu).
+  absl::Status InstallPendingBias(LayerState& state);
+  // The ranks of `dispatch` that went down or left `generation` since: marked not live; the
+  // rows they had.
+  int64_t MarkLostRanks(const StepDispatch& dispatch, uint64_t generation,
+                        std::vector<bool>* live) const;
   // A failed step: counted by the observer, `status` returned.
   absl::Status FailStep(StepStats& stats, absl::Time t0, absl::Status status);
   // Each rank's rows of `plan` gathered from `expert_input` into the workspace, as `dispatch`'s
