@@ -10,20 +10,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
+#include "kernels/router_rule.h"
 
 namespace moe {
 namespace {
 
 constexpr int64_t kMaxQuantileSamples = int64_t{1} << 24;  // torch.quantile's limit
 
-// The router's order: higher biased score first, lower index on ties (no NaNs reach here).
-inline bool RanksBefore(float a, int ia, float b, int ib) { return a != b ? a > b : ia < ib; }
-
 bool AllFinite(absl::Span<const float> v) {
   return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
 }
-
-bool Grouped(const RoutingParams& r) { return r.n_group > 1 && r.topk_group < r.n_group; }
 
 // Shape and group checks shared by CountSelections and QuantileBalance; sets *tokens.
 absl::Status CheckRouting(absl::Span<const float> scores, absl::Span<const float> bias,
@@ -43,7 +39,7 @@ absl::Status CheckRouting(absl::Span<const float> scores, absl::Span<const float
     return absl::InvalidArgumentError(absl::StrCat("bad expert grouping: ", E, " experts, n_group ",
                                                    routing.n_group, ", topk_group ",
                                                    routing.topk_group));
-  if (Grouped(routing) && k > routing.topk_group * (E / groups))
+  if (GroupLimited(routing) && k > routing.topk_group * (E / groups))
     return absl::InvalidArgumentError(absl::StrCat("top_k ", k, " exceeds the ",
                                                    routing.topk_group * (E / groups),
                                                    " experts of the kept groups"));
@@ -94,41 +90,14 @@ absl::StatusOr<std::vector<int64_t>> CountSelections(absl::Span<const float> sco
   int64_t tokens = 0;
   if (absl::Status s = CheckRouting(scores, bias, routing, &tokens); !s.ok()) return s;
   const int E = routing.num_experts, k = routing.top_k;
-  const bool grouped = Grouped(routing);
-  const int groups = grouped ? routing.n_group : 1, group_size = E / groups;
   std::vector<int64_t> counts(E, 0);
-  std::vector<float> biased(E), group_score(groups);
-  std::vector<int> order(E), group_order(groups);
+  std::vector<float> biased(E);
+  RouterScratch scratch(routing);
   for (int64_t t = 0; t < tokens; ++t) {
     const float* s = scores.data() + t * E;
     for (int e = 0; e < E; ++e) biased[e] = s[e] + bias[e];
-    if (grouped) {
-      for (int g = 0; g < groups; ++g) {
-        float best = -std::numeric_limits<float>::infinity(), second = best;
-        for (int e = g * group_size; e < (g + 1) * group_size; ++e) {
-          if (biased[e] > best) {
-            second = best;
-            best = biased[e];
-          } else if (biased[e] > second) {
-            second = biased[e];
-          }
-        }
-        group_score[g] = group_size >= 2 ? best + second : best;
-      }
-      std::iota(group_order.begin(), group_order.end(), 0);
-      std::partial_sort(
-          group_order.begin(), group_order.begin() + routing.topk_group, group_order.end(),
-          [&](int a, int b) { return RanksBefore(group_score[a], a, group_score[b], b); });
-      std::vector<bool> keep(groups, false);
-      for (int i = 0; i < routing.topk_group; ++i) keep[group_order[i]] = true;
-      for (int e = 0; e < E; ++e)
-        if (!keep[e / group_size]) biased[e] = -std::numeric_limits<float>::infinity();
-    }
-    // (score, index) is a total order, so the first k after nth_element are the top-k set.
-    std::iota(order.begin(), order.end(), 0);
-    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(),
-                     [&](int a, int b) { return RanksBefore(biased[a], a, biased[b], b); });
-    for (int j = 0; j < k; ++j) ++counts[order[j]];
+    RankExperts(routing, biased.data(), scratch);
+    for (int j = 0; j < k; ++j) ++counts[scratch.order[j]];
   }
   return counts;
 }
@@ -309,8 +278,7 @@ absl::StatusOr<PlacementAdvice> AdvisePlacement(absl::Span<const double> expert_
   }
 
   PlacementAdvice advice;
-  ASSIGN_OR_RETURN(advice.placement,
-                   ExpertPlacement::FromRankExperts(E, std::move(rank_experts)));
+  ASSIGN_OR_RETURN(advice.placement, ExpertPlacement::FromRankExperts(E, std::move(rank_experts)));
   advice.replica_counts = std::move(replicas);
   ASSIGN_OR_RETURN(advice.predicted_rank_load, RankLoads(advice.placement, expert_loads));
   ASSIGN_OR_RETURN(const std::vector<double> current_load, RankLoads(current, expert_loads));

@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "kernels/cpu/canonical.h"
 #include "kernels/cpu/tiers.h"
+#include "kernels/router_rule.h"
 #include "kernels/shape_checks.h"
 
 namespace moe {
@@ -35,14 +36,6 @@ void SplitAligned(int64_t n, int parts, int64_t align, int part, int64_t* begin,
   const int64_t blocks = (n + align - 1) / align;
   *begin = std::min(n, blocks * part / parts * align);
   *end = std::min(n, blocks * (part + 1) / parts * align);
-}
-
-// The router's comparison: higher biased score first, lower index on ties; NaN sorts last.
-inline bool RanksBefore(float a, int ia, float b, int ib) {
-  const bool a_nan = std::isnan(a), b_nan = std::isnan(b);
-  if (a_nan != b_nan) return b_nan;
-  if (!a_nan && a != b) return a > b;
-  return ia < ib;
 }
 
 // The tier the options ask for.
@@ -179,49 +172,20 @@ absl::Status CpuBackend::DoSelectExperts(ConstMatrixView logits, const float* bi
                                          const RoutingParams& params, int32_t* ids,
                                          float* weights) {
   const int E = params.num_experts, k = params.top_k;
-  const int groups = std::max(1, params.n_group);
   // As both seed gates do: a single expert keeps its raw score (no renormalization).
   const bool renormalize = params.renormalize && k > 1;
   std::lock_guard<std::mutex> lock(mu_);
   pool_.ParallelFor(logits.rows, [&](int64_t b, int64_t e_end, int) {
     std::vector<float> score(E), biased(E);
-    std::vector<int> order(E), group_order(groups);
-    std::vector<float> group_score(groups);
+    RouterScratch scratch(params);
     for (int64_t t = b; t < e_end; ++t) {
       const float* z = logits.Row(t);
       for (int e = 0; e < E; ++e) {
         score[e] = Sigmoid(z[e]);
         biased[e] = score[e] + (bias ? bias[e] : 0.0f);
       }
-      if (groups > 1 && params.topk_group < groups) {
-        // DeepSeek-V3 group-limited routing: a group's score is the sum of its two best
-        // biased scores; experts outside the topk_group best groups cannot be chosen.
-        const int size = E / groups;
-        for (int g = 0; g < groups; ++g) {
-          float best = -std::numeric_limits<float>::infinity(), second = best;
-          for (int e = g * size; e < (g + 1) * size; ++e) {
-            const float v = biased[e];
-            if (v > best) {
-              second = best;
-              best = v;
-            } else if (v > second) {
-              second = v;
-            }
-          }
-          group_score[g] = size >= 2 ? best + second : best;
-        }
-        std::iota(group_order.begin(), group_order.end(), 0);
-        std::partial_sort(
-            group_order.begin(), group_order.begin() + params.topk_group, group_order.end(),
-            [&](int a, int c) { return RanksBefore(group_score[a], a, group_score[c], c); });
-        std::vector<bool> keep(groups, false);
-        for (int i = 0; i < params.topk_group; ++i) keep[group_order[i]] = true;
-        for (int e = 0; e < E; ++e)
-          if (!keep[e / size]) biased[e] = -std::numeric_limits<float>::infinity();
-      }
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [&](int a, int c) { return RanksBefore(biased[a], a, biased[c], c); });
+      RankExperts(params, biased.data(), scratch);
+      const std::vector<int>& order = scratch.order;
       int32_t* out_ids = ids + t * k;
       float* out_w = weights + t * k;
       float sum = 0.0f;
