@@ -30,6 +30,25 @@ absl::Status CheckRows(absl::string_view op, absl::Span<const int32_t> rows, int
 
 }  // namespace
 
+absl::StatusOr<WeightMatrix> Backend::PrepareWeight(const WeightMatrix& host) {
+  RETURN_IF_ERROR(host.Validate());
+  if (host.format == WeightFormat::kMXFP4 && host.space == MemorySpace::kHost) {
+    const auto* s = static_cast<const uint8_t*>(host.scales);
+    const auto [lo, hi] = std::minmax_element(s, s + host.ScaleBytes());
+    if (host.ScaleBytes() > 0 && (*lo < 2 || *hi > 252))
+      return absl::InvalidArgumentError(absl::StrCat("MXFP4 weight [", host.rows, ", ", host.cols,
+                                                     "] has E8M0 scales in [", *lo, ", ", *hi,
+                                                     "]; supported: [2, 252]"));
+  }
+  return DoPrepareWeight(host);
+}
+
+absl::StatusOr<WeightVector> Backend::PrepareVector(const WeightVector& host) {
+  if (host.data == nullptr || host.size <= 0)
+    return absl::InvalidArgumentError("empty weight vector");
+  return DoPrepareVector(host);
+}
+
 absl::Status Backend::Linear(ConstMatrixView x, const WeightMatrix& w, MatrixView y, Precision p) {
   RETURN_IF_ERROR(CheckView("Linear", "x", x));
   RETURN_IF_ERROR(CheckView("Linear", "y", y));

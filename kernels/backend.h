@@ -91,9 +91,12 @@ class Backend {
   virtual absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) = 0;
   // Makes a host weight usable by this backend (device upload, or a kernel-friendly layout).
   // The returned view stays valid as long as the backend lives; host views stay host views
-  // on the CPU backend (weights are read in place from the memory-mapped checkpoint).
-  virtual absl::StatusOr<WeightMatrix> PrepareWeight(const WeightMatrix& host) = 0;
-  virtual absl::StatusOr<WeightVector> PrepareVector(const WeightVector& host) = 0;
+  // on the CPU backend (weights are read in place from the memory-mapped checkpoint). Checked
+  // here for every backend: the view's shape, and MXFP4 E8M0 scales in [2, 252] (|w| in the
+  // normal range, where the kernels' exponent arithmetic is exact); INVALID_ARGUMENT otherwise.
+  absl::StatusOr<WeightMatrix> PrepareWeight(const WeightMatrix& host);
+  // INVALID_ARGUMENT for an empty vector.
+  absl::StatusOr<WeightVector> PrepareVector(const WeightVector& host);
   // Waits for all queued work.
   virtual absl::Status Synchronize() = 0;
 
@@ -154,6 +157,8 @@ class Backend {
  private:
   // The implementations, called after the checks above passed (NVI: a backend cannot skip
   // them). Backend-specific conditions (device memory, size limits) stay in the backend.
+  virtual absl::StatusOr<WeightMatrix> DoPrepareWeight(const WeightMatrix& host) = 0;
+  virtual absl::StatusOr<WeightVector> DoPrepareVector(const WeightVector& host) = 0;
   virtual absl::Status DoLinear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
                                 Precision p) = 0;
   virtual absl::Status DoSelectExperts(ConstMatrixView logits, const float* bias,

@@ -90,33 +90,13 @@ absl::Status CpuBackend::CopyToHost(void* host_dst, const void* src, size_t byte
   return absl::OkStatus();
 }
 
-absl::StatusOr<WeightMatrix> CpuBackend::PrepareWeight(const WeightMatrix& host) {
-  RETURN_IF_ERROR(host.Validate());
+absl::StatusOr<WeightMatrix> CpuBackend::DoPrepareWeight(const WeightMatrix& host) {
   if (host.space != MemorySpace::kHost)
     return absl::InvalidArgumentError("CPU backend needs host weights");
-  if (host.format == WeightFormat::kMXFP4) {
-    // The vector kernels scale MXFP4 values by adding to the bf16 exponent, exact for
-    // E8M0 scales in [2, 252] (|w| in [2^-126, 2^126]); anything else is not a real weight.
-    const auto* s = static_cast<const uint8_t*>(host.scales);
-    const int64_t n = host.ScaleBytes();
-    uint8_t lo = 255, hi = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      lo = std::min(lo, s[i]);
-      hi = std::max(hi, s[i]);
-    }
-    if (lo < 2 || hi > 252)
-      return absl::InvalidArgumentError(absl::StrCat("MXFP4 weight [", host.rows, ", ", host.cols,
-                                                     "] has E8M0 scales in [", lo, ", ", hi,
-                                                     "]; supported: [2, 252]"));
-  }
-  return host;
+  return host;  // read in place
 }
 
-absl::StatusOr<WeightVector> CpuBackend::PrepareVector(const WeightVector& host) {
-  if (host.data == nullptr || host.size <= 0)
-    return absl::InvalidArgumentError("empty weight vector");
-  return host;
-}
+absl::StatusOr<WeightVector> CpuBackend::DoPrepareVector(const WeightVector& host) { return host; }
 
 int64_t CpuBackend::PackRows(ConstMatrixView x, WeightFormat format, Precision p,
                              cpu::AlignedBuffer* buffer) {

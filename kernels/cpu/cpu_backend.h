@@ -40,11 +40,11 @@ class CpuBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t bytes) override;
   absl::Status CopyToBackend(void* dst, const void* host_src, size_t bytes) override;
   absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) override;
-  absl::StatusOr<WeightMatrix> PrepareWeight(const WeightMatrix& host) override;
-  absl::StatusOr<WeightVector> PrepareVector(const WeightVector& host) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
  private:
+  absl::StatusOr<WeightMatrix> DoPrepareWeight(const WeightMatrix& host) override;
+  absl::StatusOr<WeightVector> DoPrepareVector(const WeightVector& host) override;
   absl::Status DoLinear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
                         Precision p) override;
   absl::Status DoSelectExperts(ConstMatrixView logits, const float* bias,

@@ -370,22 +370,11 @@ absl::Status CudaBackend::CopyToHost(void* host_dst, const void* src, size_t byt
   return absl::OkStatus();
 }
 
-absl::StatusOr<WeightMatrix> CudaBackend::PrepareWeight(const WeightMatrix& host) {
-  RETURN_IF_ERROR(host.Validate());
+absl::StatusOr<WeightMatrix> CudaBackend::DoPrepareWeight(const WeightMatrix& host) {
   if (host.space == MemorySpace::kDevice) {
     if ((reinterpret_cast<uintptr_t>(host.data) & 15) != 0)
       return absl::InvalidArgumentError("device weight data must be 16-byte aligned");
     return host;
-  }
-  if (host.format == WeightFormat::kMXFP4) {
-    // Same range as the CPU backend: |w| stays in the normal range, where MXFP4 values are
-    // exact in bf16 (and the GEMV decoder's E8M0 shift is valid).
-    const auto* s = static_cast<const uint8_t*>(host.scales);
-    const auto [lo, hi] = std::minmax_element(s, s + host.ScaleBytes());
-    if (*lo < 2 || *hi > 252)
-      return absl::InvalidArgumentError(absl::StrCat("MXFP4 weight [", host.rows, ", ", host.cols,
-                                                     "] has E8M0 scales in [", *lo, ", ", *hi,
-                                                     "]; supported: [2, 252]"));
   }
   MOE_CUDA_OP_PROLOGUE();
   const size_t data_bytes = static_cast<size_t>(host.DataBytes());
@@ -409,9 +398,7 @@ absl::StatusOr<WeightMatrix> CudaBackend::PrepareWeight(const WeightMatrix& host
   return out;
 }
 
-absl::StatusOr<WeightVector> CudaBackend::PrepareVector(const WeightVector& host) {
-  if (host.data == nullptr || host.size <= 0)
-    return absl::InvalidArgumentError("empty weight vector");
+absl::StatusOr<WeightVector> CudaBackend::DoPrepareVector(const WeightVector& host) {
   if (host.space == MemorySpace::kDevice) return host;
   MOE_CUDA_OP_PROLOGUE();
   const size_t bytes = static_cast<size_t>(host.size) * sizeof(uint16_t);

@@ -87,13 +87,13 @@ class CudaBackend final : public Backend {
   absl::Status CopyToBackend(void* dst, const void* host_src, size_t bytes) override;
   absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) override;
   // Uploads the stored format as is (weights stay in checkpoint format in GPU memory).
-  absl::StatusOr<WeightMatrix> PrepareWeight(const WeightMatrix& host) override;
-  absl::StatusOr<WeightVector> PrepareVector(const WeightVector& host) override;
   absl::Status Synchronize() override;
 
   struct Impl;
 
  private:
+  absl::StatusOr<WeightMatrix> DoPrepareWeight(const WeightMatrix& host) override;
+  absl::StatusOr<WeightVector> DoPrepareVector(const WeightVector& host) override;
   absl::Status DoLinear(ConstMatrixView x, const WeightMatrix& w, MatrixView y,
                         Precision p) override;
   // logits, bias, ids and weights are device pointers.

@@ -21,11 +21,17 @@ class RecordingBackend final : public Backend {
   }
   absl::Status CopyToBackend(void*, const void*, size_t) override { return absl::OkStatus(); }
   absl::Status CopyToHost(void*, const void*, size_t) override { return absl::OkStatus(); }
-  absl::StatusOr<WeightMatrix> PrepareWeight(const WeightMatrix& w) override { return w; }
-  absl::StatusOr<WeightVector> PrepareVector(const WeightVector& v) override { return v; }
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
  private:
+  absl::StatusOr<WeightMatrix> DoPrepareWeight(const WeightMatrix& w) override {
+    ++calls;
+    return w;
+  }
+  absl::StatusOr<WeightVector> DoPrepareVector(const WeightVector& v) override {
+    ++calls;
+    return v;
+  }
   absl::Status Called() {
     ++calls;
     return absl::OkStatus();
@@ -182,6 +188,29 @@ void CheckEveryOp(Backend& backend, const int* calls) {
 TEST(BackendChecksTest, BadArgumentsNeverReachTheImplementation) {
   RecordingBackend backend;
   CheckEveryOp(backend, &backend.calls);
+}
+
+// Weights are checked once, in front of every backend: MXFP4 scales outside [2, 252] and empty
+// vectors never reach an implementation.
+TEST(BackendChecksTest, PreparedWeightsAreCheckedForEveryBackend) {
+  RecordingBackend backend;
+  std::vector<uint8_t> nibbles(2 * 16, 0x21), scales(2, 127);
+  WeightMatrix w{WeightFormat::kMXFP4, 2, 32, nibbles.data(), scales.data(), MemorySpace::kHost};
+  ASSERT_TRUE(backend.PrepareWeight(w).ok());
+  EXPECT_EQ(backend.calls, 1);
+  for (uint8_t bad : {uint8_t{0}, uint8_t{1}, uint8_t{253}, uint8_t{255}}) {
+    scales[1] = bad;
+    const absl::StatusOr<WeightMatrix> refused = backend.PrepareWeight(w);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << int{bad};
+    EXPECT_NE(refused.status().message().find("supported: [2, 252]"), std::string::npos);
+  }
+  w.cols = 31;  // MXFP4 needs whole blocks of 32
+  EXPECT_FALSE(backend.PrepareWeight(w).ok());
+  EXPECT_EQ(backend.PrepareVector(WeightVector{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(backend.calls, 1);
+  CpuBackend cpu(CpuBackendOptions{1, ""});  // the same refusals from a real backend
+  EXPECT_EQ(cpu.PrepareWeight(w).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(BackendChecksTest, TheCpuBackendGivesTheSameErrors) {
