@@ -13,27 +13,20 @@
 #include "absl/strings/str_cat.h"
 #include "core/numerics.h"
 #include "gtest/gtest.h"
+#include "tests/testing/model_files.h"
 #include "tests/testing/temp_dir.h"
 
 namespace moe {
 namespace {
 
-namespace fs = std::filesystem;
+using testing::TestTensor;
+using testing::WriteTestTensors;
 
-#define EXPECT_CONTAINS(haystack, needle)                          \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "'" << std::string(haystack) << "' does not contain '" << (needle) << "'"
+namespace fs = std::filesystem;
 
 std::string FreshDir(const std::string& name) {
   return testing::FreshTestDir("checkpoint_test_" + name);
 }
-
-struct TestTensor {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;
-};
 
 // Values that identify their tensor (tag = its position in the checkpoint): no two tensors
 // of a test checkpoint hold the same bytes, so a view pointing at the wrong one is caught.
@@ -183,16 +176,12 @@ class TestCheckpoint {
       const std::string file =
           index ? absl::StrCat("model-0000", s + 1, "-of-0000", num_shards, ".safetensors")
                 : "model.safetensors";
-      std::vector<SafetensorsWriter::PendingTensor> declared;
       const size_t begin = s * per_shard, end = std::min(tensors_.size(), begin + per_shard);
-      for (size_t i = begin; i < end; ++i) {
-        declared.push_back({tensors_[i].name, tensors_[i].dtype, tensors_[i].shape});
+      for (size_t i = begin; i < end; ++i)
         absl::StrAppend(&index_json, i ? ", " : "", "\"", tensors_[i].name, "\": \"", file, "\"");
-      }
-      auto writer = SafetensorsWriter::Create(dir + "/" + file, declared);
-      ASSERT_TRUE(writer.ok()) << writer.status();
-      for (size_t i = begin; i < end; ++i) ASSERT_TRUE((*writer)->Write(tensors_[i].bytes).ok());
-      ASSERT_TRUE((*writer)->Finish().ok());
+      const absl::Status written =
+          WriteTestTensors(dir + "/" + file, {tensors_.begin() + begin, tensors_.begin() + end});
+      ASSERT_TRUE(written.ok()) << written;
     }
     if (index) std::ofstream(dir + "/model.safetensors.index.json") << index_json << "}}";
   }

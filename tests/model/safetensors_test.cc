@@ -8,29 +8,21 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/model_files.h"
 #include "tests/testing/temp_dir.h"
 
 namespace moe {
 namespace {
 
-namespace fs = std::filesystem;
+using testing::TestTensor;
+using testing::WriteTestTensors;
 
-// Message checks without gmock (only gtest is linked).
-#define EXPECT_CONTAINS(haystack, needle)                          \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "'" << std::string(haystack) << "' does not contain '" << (needle) << "'"
+namespace fs = std::filesystem;
 
 // A fresh empty directory under the test temp dir.
 std::string FreshDir(const std::string& name) {
   return testing::FreshTestDir("safetensors_test_" + name);
 }
-
-struct TestTensor {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;
-};
 
 // Bytes that identify the tensor they belong to (never all zero).
 TestTensor MakeTensor(const std::string& name, DType dtype, std::vector<int64_t> shape,
@@ -42,19 +34,6 @@ TestTensor MakeTensor(const std::string& name, DType dtype, std::vector<int64_t>
   for (size_t i = 0; i < t.bytes.size(); ++i)
     t.bytes[i] = static_cast<uint8_t>(tag * 31 + i * 7 + 1);
   return t;
-}
-
-absl::Status WriteFile(const std::string& path, const std::vector<TestTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata = {}) {
-  std::vector<SafetensorsWriter::PendingTensor> declared;
-  for (const TestTensor& t : tensors) declared.push_back({t.name, t.dtype, t.shape});
-  auto writer = SafetensorsWriter::Create(path, declared, metadata);
-  if (!writer.ok()) return writer.status();
-  for (const TestTensor& t : tensors) {
-    absl::Status s = (*writer)->Write(t.bytes);
-    if (!s.ok()) return s;
-  }
-  return (*writer)->Finish();
 }
 
 // A file made of a raw 8-byte length, header text and data bytes.
@@ -78,7 +57,7 @@ std::vector<TestTensor> ThreeTensors() {
 TEST(SafetensorsFileTest, RoundTrip) {
   const std::string path = FreshDir("roundtrip") + "/x.safetensors";
   const auto tensors = ThreeTensors();
-  ASSERT_TRUE(WriteFile(path, tensors, {{"format", "pt"}}).ok());
+  ASSERT_TRUE(WriteTestTensors(path, tensors, {{"format", "pt"}}).ok());
 
   // Header length is a multiple of 8 so the data section is aligned.
   std::ifstream in(path, std::ios::binary);
@@ -162,10 +141,10 @@ TEST(SafetensorsWriterTest, ByteCountIsChecked) {
 TEST(SafetensorsWriterTest, RewritingAMappedFileLeavesTheMappingIntact) {
   const std::string path = FreshDir("rewrite") + "/x.safetensors";
   const auto tensors = ThreeTensors();
-  ASSERT_TRUE(WriteFile(path, tensors).ok());
+  ASSERT_TRUE(WriteTestTensors(path, tensors).ok());
   auto old_file = SafetensorsFile::Open(path);
   ASSERT_TRUE(old_file.ok());
-  ASSERT_TRUE(WriteFile(path, {MakeTensor("other", DType::kU8, {1}, 8)}).ok());
+  ASSERT_TRUE(WriteTestTensors(path, {MakeTensor("other", DType::kU8, {1}, 8)}).ok());
   // The old mapping still reads the old bytes (an in-place truncation would SIGBUS here).
   auto bytes = (*old_file)->Data(*(*old_file)->Find("c.packed"));
   EXPECT_EQ(std::vector<uint8_t>(bytes.begin(), bytes.end()), tensors[2].bytes);
@@ -189,7 +168,7 @@ class MalformedFileTest : public ::testing::Test {
 };
 
 TEST_F(MalformedFileTest, TruncatedFile) {
-  ASSERT_TRUE(WriteFile(path_, ThreeTensors()).ok());
+  ASSERT_TRUE(WriteTestTensors(path_, ThreeTensors()).ok());
   fs::resize_file(path_, fs::file_size(path_) - 3);  // cuts into the last tensor, c.packed
   ExpectInvalid({"c.packed", "out of bounds", "truncated"});
 }
@@ -307,7 +286,7 @@ void WriteIndex(const std::string& dir,
 TEST(SafetensorsCheckpointTest, SingleFile) {
   const std::string dir = FreshDir("single");
   const auto tensors = ThreeTensors();
-  ASSERT_TRUE(WriteFile(dir + "/model.safetensors", tensors).ok());
+  ASSERT_TRUE(WriteTestTensors(dir + "/model.safetensors", tensors).ok());
   auto ckpt = SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_EQ((*ckpt)->TensorNames(), (std::vector<std::string>{"a.weight", "b.bias", "c.packed"}));
@@ -322,8 +301,9 @@ TEST(SafetensorsCheckpointTest, SingleFile) {
 TEST(SafetensorsCheckpointTest, ShardedWithIndex) {
   const std::string dir = FreshDir("sharded");
   const auto tensors = ThreeTensors();
-  ASSERT_TRUE(WriteFile(dir + "/model-00001-of-00002.safetensors", {tensors[0], tensors[1]}).ok());
-  ASSERT_TRUE(WriteFile(dir + "/model-00002-of-00002.safetensors", {tensors[2]}).ok());
+  ASSERT_TRUE(
+      WriteTestTensors(dir + "/model-00001-of-00002.safetensors", {tensors[0], tensors[1]}).ok());
+  ASSERT_TRUE(WriteTestTensors(dir + "/model-00002-of-00002.safetensors", {tensors[2]}).ok());
   WriteIndex(dir, {{"a.weight", "model-00001-of-00002.safetensors"},
                    {"b.bias", "model-00001-of-00002.safetensors"},
                    {"c.packed", "model-00002-of-00002.safetensors"}});
@@ -355,10 +335,11 @@ TEST(SafetensorsCheckpointTest, ShardedWithIndex) {
 
 TEST(SafetensorsCheckpointTest, FindCheckedErrorsNameTensorAndFile) {
   const std::string dir = FreshDir("checked");
-  ASSERT_TRUE(WriteFile(dir + "/model-00001-of-00002.safetensors",
-                        {MakeTensor("model.layers.1.mlp.gate.weight", DType::kF32, {4, 8}, 5)})
-                  .ok());
-  ASSERT_TRUE(WriteFile(dir + "/model-00002-of-00002.safetensors", ThreeTensors()).ok());
+  ASSERT_TRUE(
+      WriteTestTensors(dir + "/model-00001-of-00002.safetensors",
+                       {MakeTensor("model.layers.1.mlp.gate.weight", DType::kF32, {4, 8}, 5)})
+          .ok());
+  ASSERT_TRUE(WriteTestTensors(dir + "/model-00002-of-00002.safetensors", ThreeTensors()).ok());
   WriteIndex(dir, {{"model.layers.1.mlp.gate.weight", "model-00001-of-00002.safetensors"},
                    {"a.weight", "model-00002-of-00002.safetensors"}});
   auto ckpt = SafetensorsCheckpoint::Open(dir);
@@ -382,7 +363,7 @@ TEST(SafetensorsCheckpointTest, FindCheckedErrorsNameTensorAndFile) {
 
 TEST(SafetensorsCheckpointTest, MissingShardIsNotFound) {
   const std::string dir = FreshDir("missing_shard");
-  ASSERT_TRUE(WriteFile(dir + "/model-00001-of-00002.safetensors", ThreeTensors()).ok());
+  ASSERT_TRUE(WriteTestTensors(dir + "/model-00001-of-00002.safetensors", ThreeTensors()).ok());
   WriteIndex(dir, {{"a.weight", "model-00001-of-00002.safetensors"},
                    {"z.weight", "model-00002-of-00002.safetensors"}});
   auto ckpt = SafetensorsCheckpoint::Open(dir);
@@ -397,8 +378,8 @@ TEST(SafetensorsCheckpointTest, BadIndexOrNoFiles) {
             absl::StatusCode::kNotFound);
 
   const std::string two = FreshDir("two_files");
-  ASSERT_TRUE(WriteFile(two + "/a.safetensors", ThreeTensors()).ok());
-  ASSERT_TRUE(WriteFile(two + "/b.safetensors", ThreeTensors()).ok());
+  ASSERT_TRUE(WriteTestTensors(two + "/a.safetensors", ThreeTensors()).ok());
+  ASSERT_TRUE(WriteTestTensors(two + "/b.safetensors", ThreeTensors()).ok());
   auto ckpt = SafetensorsCheckpoint::Open(two);
   EXPECT_EQ(ckpt.status().code(), absl::StatusCode::kNotFound);
   EXPECT_CONTAINS(std::string(ckpt.status().message()), "a.safetensors, b.safetensors");

@@ -16,16 +16,13 @@
 #include "gtest/gtest.h"
 #include "model/checkpoint.h"
 #include "model/safetensors.h"
+#include "tests/testing/model_files.h"
 #include "tests/testing/temp_dir.h"
 
 namespace moe {
 namespace {
 
 namespace fs = std::filesystem;
-
-#define EXPECT_CONTAINS(haystack, needle)                          \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "'" << std::string(haystack) << "' does not contain '" << (needle) << "'"
 
 // A path for a checkpoint the test writes (the directory itself does not exist yet).
 std::string FreshDir(const std::string& name) {
