@@ -754,42 +754,35 @@ TEST(ParseMoeConfigErrorTest, OutOfRangeIntegers) {
 }
 
 TEST(ParseMoeConfigErrorTest, NonPositiveSizes) {
-  Json j = K3();
-  j["text_config"]["hidden_size"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "text_config.hidden_size (0) must be positive"));
-  j = K3();
-  j["text_config"]["moe_intermediate_size"] = -3072;
-  EXPECT_TRUE(RejectedNaming(j, "text_config.moe_intermediate_size (-3072) must be positive"));
-  j = K3();
-  j["text_config"]["routed_expert_hidden_size"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "text_config.routed_expert_hidden_size (0) must be positive"));
-  j = K3();
-  j["text_config"]["num_experts"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "text_config.num_experts (0) must be positive"));
-  j = K2();
-  j["num_experts_per_tok"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "num_experts_per_tok (0) must be positive"));
-  j = K2();
-  j["n_shared_experts"] = -1;
-  EXPECT_TRUE(RejectedNaming(j, "n_shared_experts (-1) must not be negative"));
-  j = K2();
-  j["num_hidden_layers"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "num_hidden_layers (0) must be positive"));
-  j = K2();
-  j["moe_layer_freq"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "moe_layer_freq (0) must be positive"));
-  j = K2();
-  j["first_k_dense_replace"] = -1;
-  EXPECT_TRUE(RejectedNaming(j, "first_k_dense_replace (-1) must not be negative"));
-  j = K2();
-  j["rms_norm_eps"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "rms_norm_eps (0) must be a positive finite number"));
-  j = K2();
-  j["routed_scaling_factor"] = -2.5;
-  EXPECT_TRUE(RejectedNaming(j, "routed_scaling_factor (-2.5) must be a positive finite number"));
-  j = K3();
-  j["text_config"]["activation_situ_beta"] = 0.0;
-  EXPECT_TRUE(RejectedNaming(j, "text_config.activation_situ_beta (0) must be a positive"));
+  struct Case {
+    Json base;
+    const char* field;  // a JSON pointer
+    Json value;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {K3(), "/text_config/hidden_size", 0, "text_config.hidden_size (0) must be positive"},
+      {K3(), "/text_config/moe_intermediate_size", -3072,
+       "text_config.moe_intermediate_size (-3072) must be positive"},
+      {K3(), "/text_config/routed_expert_hidden_size", 0,
+       "text_config.routed_expert_hidden_size (0) must be positive"},
+      {K3(), "/text_config/num_experts", 0, "text_config.num_experts (0) must be positive"},
+      {K2(), "/num_experts_per_tok", 0, "num_experts_per_tok (0) must be positive"},
+      {K2(), "/n_shared_experts", -1, "n_shared_experts (-1) must not be negative"},
+      {K2(), "/num_hidden_layers", 0, "num_hidden_layers (0) must be positive"},
+      {K2(), "/moe_layer_freq", 0, "moe_layer_freq (0) must be positive"},
+      {K2(), "/first_k_dense_replace", -1, "first_k_dense_replace (-1) must not be negative"},
+      {K2(), "/rms_norm_eps", 0, "rms_norm_eps (0) must be a positive finite number"},
+      {K2(), "/routed_scaling_factor", -2.5,
+       "routed_scaling_factor (-2.5) must be a positive finite number"},
+      {K3(), "/text_config/activation_situ_beta", 0.0,
+       "text_config.activation_situ_beta (0) must be a positive"},
+  };
+  for (const Case& c : cases) {
+    Json j = c.base;
+    j[Json::json_pointer(c.field)] = c.value;
+    EXPECT_TRUE(RejectedNaming(j, c.message)) << c.field;
+  }
 }
 
 TEST(ParseMoeConfigErrorTest, TopKExceedsNumExperts) {
