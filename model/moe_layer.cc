@@ -37,27 +37,6 @@ std::vector<int32_t> Iota(int64_t n) {
 
 }  // namespace
 
-absl::StatusOr<void*> Workspace::Bytes(int slot, size_t bytes) {
-  if (static_cast<size_t>(slot) >= buffers_.size()) buffers_.resize(slot + 1);
-  auto& buffer = buffers_[slot];
-  if (buffer == nullptr || buffer->size() < bytes) {
-    // Grow by 1.5x so a slowly rising batch size does not reallocate every step.
-    const size_t grown = buffer ? std::max(bytes, buffer->size() + buffer->size() / 2) : bytes;
-    ASSIGN_OR_RETURN(buffer, backend_->Allocate(std::max<size_t>(grown, 64)));
-  }
-  return buffer->data();
-}
-
-absl::StatusOr<MatrixView> Workspace::Matrix(int slot, int64_t rows, int64_t cols) {
-  ASSIGN_OR_RETURN(void* data, Bytes(slot, static_cast<size_t>(rows * cols) * sizeof(float)));
-  return MatrixView(static_cast<float*>(data), rows, cols, cols);
-}
-
-absl::StatusOr<PartialView> Workspace::Partial(int slot, int64_t rows, int64_t cols) {
-  ASSIGN_OR_RETURN(void* data, Bytes(slot, static_cast<size_t>(rows * cols) * sizeof(double)));
-  return PartialView(static_cast<double*>(data), rows, cols, cols);
-}
-
 // ---- GatewayLayer ---------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<GatewayLayer>> GatewayLayer::Create(
@@ -111,9 +90,8 @@ absl::Status GatewayLayer::Route(ConstMatrixView x, Precision p, Routing* routin
   // Router logits in fp32 whatever the precision (x is already bf16-valued in bf16 mode).
   ASSIGN_OR_RETURN(MatrixView logits, workspace_.Matrix(kLogits, T, E));
   RETURN_IF_ERROR(backend_->Linear(x, router_, logits, Precision::kFP32));
-  ASSIGN_OR_RETURN(MatrixView ids_buf, workspace_.Matrix(kIds, T, k));  // int32 storage
+  ASSIGN_OR_RETURN(int32_t * ids, workspace_.Ids(kIds, T * k));
   ASSIGN_OR_RETURN(MatrixView weights_buf, workspace_.Matrix(kWeights, T, k));
-  auto* ids = reinterpret_cast<int32_t*>(ids_buf.data);
   const float* bias = device_bias_ ? static_cast<const float*>(device_bias_->data()) : bias_.data();
   RETURN_IF_ERROR(backend_->SelectExperts(logits, bias, config_.routing, ids, weights_buf.data));
   routing->tokens = T;

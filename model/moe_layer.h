@@ -13,25 +13,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "kernels/workspace.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/dispatch.h"
 
 namespace moe {
-
-// Backend buffers that grow on demand and are reused across steps (no per-step allocation
-// once the largest step has been seen).
-class Workspace {
- public:
-  explicit Workspace(Backend* backend) : backend_(backend) {}
-  absl::StatusOr<MatrixView> Matrix(int slot, int64_t rows, int64_t cols);
-  absl::StatusOr<PartialView> Partial(int slot, int64_t rows, int64_t cols);
-
- private:
-  absl::StatusOr<void*> Bytes(int slot, size_t bytes);
-  Backend* backend_;
-  std::vector<std::unique_ptr<DeviceBuffer>> buffers_;
-};
 
 class GatewayLayer {
  public:
