@@ -208,7 +208,6 @@ std::string Flags::Usage() const {
   if (!out.empty() && out.back() != '\n') out += "\n";
   out += "\nflags:\n";
   for (const auto& name : order_) {
-    if (std::find(hidden_.begin(), hidden_.end(), name) != hidden_.end()) continue;
     const Flag& f = flags_.at(name);
     const bool required = std::find(required_.begin(), required_.end(), name) != required_.end();
     std::string def =

@@ -49,9 +49,6 @@ class Flags {
   void Range(const std::string& name, int64_t min, int64_t max);
   // A listening port: 0 (any free port) or 1..65535; with `off`, also -1 (disabled).
   void Port(const std::string& name, int* value, const std::string& help, bool off = false);
-  // Parsed as usual, left out of --help: test-only switches (fault injection) that users should
-  // not come across (docs/TESTING.md lists them).
-  void Hide(const std::string& name) { hidden_.push_back(name); }
   // Arguments that are not flags are kept in positional() instead of being refused.
   void AllowPositional() { allow_positional_ = true; }
 
@@ -88,7 +85,6 @@ class Flags {
   std::map<std::string, Flag> flags_;
   std::vector<std::string> order_;
   std::vector<std::string> required_;
-  std::vector<std::string> hidden_;
   std::vector<std::string> positional_;
   std::map<std::string, std::pair<int64_t, int64_t>> ranges_;
   bool allow_positional_ = false;

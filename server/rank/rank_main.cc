@@ -12,6 +12,9 @@
 #include "security/tokens.h"
 #include "server/metrics/rank_metrics.h"
 #include "server/rank/rank_worker.h"
+#if MOE_RANK_FAULTS
+#include "server/rank/rank_faults.h"
+#endif
 
 namespace {
 
@@ -24,7 +27,6 @@ int main(int argc, char** argv) {
   moe::RankOptions options;
   int64_t connect_timeout_s = 600;
   bool exit_on_disconnect = false;
-  int64_t debug_step_delay_ms = 0;
   int metrics_port = -1;
   std::string metrics_host = "127.0.0.1";
   moe::Flags flags(
@@ -67,12 +69,10 @@ int main(int argc, char** argv) {
   flags.Range("metrics-port", -1, 65535);
   flags.String("metrics-host", &metrics_host,
                "metrics listen address (0.0.0.0 or the pod IP to let Prometheus in from outside)");
-  flags.Int("debug-step-delay-ms", &debug_step_delay_ms,
-            "fault injection: delay every step (tests only)");
-  flags.Bool("debug-nan-partials", &options.debug_nan_partials,
-             "fault injection: answer steps with NaN partial sums (tests only)");
-  flags.Hide("debug-step-delay-ms");
-  flags.Hide("debug-nan-partials");
+#if MOE_RANK_FAULTS
+  moe::RankFaultFlags faults;
+  moe::AddRankFaultFlags(flags, &faults);
+#endif
   flags.Require("gateway");
   flags.ParseOrExit(argc, argv);
   if (!cluster_token_file.empty()) {
@@ -100,7 +100,9 @@ int main(int argc, char** argv) {
   }
   options.connect_timeout = absl::Seconds(connect_timeout_s);
   options.reconnect = !exit_on_disconnect;
-  options.debug_step_delay = absl::Milliseconds(debug_step_delay_ms);
+#if MOE_RANK_FAULTS
+  moe::InstallRankFaults(faults, &options);
+#endif
 
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);

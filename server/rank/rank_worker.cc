@@ -52,12 +52,6 @@ void PrefaultWeights(const ExpertShardWeights& weights, const std::function<void
 using ShardLayout = std::vector<std::pair<int, std::vector<int>>>;
 
 // Overwrites the first partial sum with NaN, wherever the backend keeps it.
-absl::Status PoisonPartials(PartialView partial, Backend* backend) {
-  if (partial.rows == 0 || partial.cols == 0) return absl::OkStatus();
-  const double nan = std::nan("");
-  return backend->CopyToBackend(partial.data, &nan, sizeof nan);
-}
-
 // Each layer's experts, ascending by layer.
 ShardLayout LayoutOf(
     const google::protobuf::RepeatedPtrField<moe::v1::internal::LayerShard>& shards) {
@@ -391,14 +385,14 @@ absl::Status RankWorker::Session::ServeSteps(RankTransport& transport) {
         result = partial.status();
       } else {
         absl::Status s = shard->Compute(step->rows, step->assignments, step->precision, *partial);
-        if (s.ok() && options.debug_nan_partials) s = PoisonPartials(*partial, backend);
+        if (s.ok() && options.after_compute) s = options.after_compute(*partial, backend);
         result = s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
                         : absl::StatusOr<ConstPartialView>(s);
       }
     }
     device_lock = {};
     worker_->compute_turn_.Release();
-    if (options.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options.debug_step_delay);
+    if (options.before_reply) options.before_reply();
     RankStepStats stats;
     stats.compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
     stats.active_experts = static_cast<int>(active.size());

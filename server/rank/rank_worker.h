@@ -45,27 +45,28 @@ struct RankOptions {
   // stands for every address it resolves to (IPv4 when it has any), re-resolved every few
   // seconds: a Kubernetes headless Service of a gateway Deployment lists each pod.
   std::vector<std::string> gateways;
-  TlsFiles tls;                 // trust for the gateway; cert + key: this rank's identity (mTLS)
-  std::string cluster_token;    // the gateway's cluster token ("" = none)
-  int requested_rank = -1;      // -1: the gateway picks (one gateway only)
-  std::string checkpoint;       // overrides the gateway's path (other mount point)
+  TlsFiles tls;               // trust for the gateway; cert + key: this rank's identity (mTLS)
+  std::string cluster_token;  // the gateway's cluster token ("" = none)
+  int requested_rank = -1;    // -1: the gateway picks (one gateway only)
+  std::string checkpoint;     // overrides the gateway's path (other mount point)
   BackendKind backend = BackendKind::kCpu;
-  int device = 0;               // CUDA device (backend cuda)
-  CpuBackendOptions cpu;        // expert compute threads
+  int device = 0;         // CUDA device (backend cuda)
+  CpuBackendOptions cpu;  // expert compute threads
   // How long the rank waits at start for its first registration with any gateway (then Run fails
   // DEADLINE_EXCEEDED); once registered, a lost gateway is waited for without a limit.
   absl::Duration connect_timeout = absl::Minutes(10);
-  bool reconnect = true;                               // register again when the gateway goes away
+  bool reconnect = true;  // register again when the gateway goes away
   int64_t max_message_bytes = int64_t{1} << 30;
   // Fault in every page of the shard at load (predictable first steps; CPU backend).
   bool prefault = true;
   bool progress = true;  // loading progress on stderr (a line every 5 s, a bar on a terminal)
   // Refuse experts holding NaN/Inf at load (ExpertLoadOptions::check_values).
   bool check_weights = true;
-  // Fault injection for tests: sleep this long before answering each step.
-  absl::Duration debug_step_delay = absl::ZeroDuration();
-  // Fault injection for tests: answer every step with NaN partial sums (a faulty rank).
-  bool debug_nan_partials = false;
+  // Fault injection, set only by the tests' build (moe-rank-faults, server/rank/rank_faults.h):
+  // each step's partial sums after its compute (a faulty rank), and a pause before its reply,
+  // after its compute turn (a slow or hung rank). moe-rank leaves both empty.
+  std::function<absl::Status(PartialView partial, Backend* backend)> after_compute;
+  std::function<void()> before_reply;
 };
 
 // What a rank reports about each step (metrics).
@@ -177,7 +178,7 @@ class RankWorker {
   bool loader_stop_ = false;  // guarded by loader_mu_
   std::thread loader_;
   std::mutex sessions_mu_;
-  std::condition_variable sessions_cv_;                 // Stop() wakes the directory loop
+  std::condition_variable sessions_cv_;               // Stop() wakes the directory loop
   std::map<int, std::shared_ptr<Session>> sessions_;  // guarded by sessions_mu_
   std::atomic<int> rank_{-1};
   // The session serving its gateway over NCCL, -1 when none: one at a time (rank_worker.cc).

@@ -39,18 +39,6 @@ TEST(FlagsTest, ValuesErrorsAndVersion) {
   EXPECT_NE(std::string(Version()), "unknown") << "the project version is compiled in";
 }
 
-TEST(FlagsTest, HiddenFlagsParseButStayOutOfTheUsage) {
-  int64_t delay = 0, port = 1;
-  Flags flags("usage: tool");
-  flags.Int("port", &port, "the port");
-  flags.Int("debug-delay-ms", &delay, "fault injection");
-  flags.Hide("debug-delay-ms");
-  EXPECT_TRUE(ParseArgs(flags, {"tool", "--debug-delay-ms", "5"}).ok());
-  EXPECT_EQ(delay, 5);
-  EXPECT_NE(flags.Usage().find("--port"), std::string::npos);
-  EXPECT_EQ(flags.Usage().find("debug-delay-ms"), std::string::npos) << flags.Usage();
-}
-
 TEST(FlagsTest, ChoicesTakeTheirNamesOnlyAndListThem) {
   Precision precision = Precision::kBF16;
   Flags flags("usage: tool");

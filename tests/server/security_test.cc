@@ -122,8 +122,9 @@ class SecurityTest : public ::testing::Test {
   // `once`: --exit-on-disconnect (a refusal ends it) and a 3 s connect timeout.
   std::unique_ptr<testing::ChildProcess> StartRank(LocalCluster& cluster, int rank,
                                                    std::vector<std::string> flags,
-                                                   const std::string& log_name, bool once = true) {
-    std::vector<std::string> argv = {testing::BinaryPath("moe-rank"),
+                                                   const std::string& log_name, bool once = true,
+                                                   const std::string& binary = "moe-rank") {
+    std::vector<std::string> argv = {testing::BinaryPath(binary),
                                      "--gateway",
                                      cluster.control_target(),
                                      "--rank",
@@ -408,10 +409,9 @@ TEST_F(SecurityTest, ARecordedRegistrationHoldsNoTokenAndCannotBeReplayed) {
   testing::Replay(cluster.control_port(), recorded[0], absl::Seconds(2));
   EXPECT_GE(ControlAuthFailures(cluster), before + 2) << cluster.gateway().Log();
   const std::string log = cluster.gateway().Log();
-  EXPECT_TRUE(log.find("registration nonce already used (a replayed registration)") !=
-                  std::string::npos ||
-              log.find("session already used by an exchange (a replayed exchange") !=
-                  std::string::npos)
+  EXPECT_TRUE(
+      log.find("registration nonce already used (a replayed registration)") != std::string::npos ||
+      log.find("session already used by an exchange (a replayed exchange") != std::string::npos)
       << log;
   EXPECT_FALSE(cluster.Serving());
   result = Call(cluster.stub(), layer_, x_, {5, reference_->config().hidden_size});
@@ -604,6 +604,7 @@ TEST_F(SecurityTest, RequestsBeyondTheConcurrencyLimitAreRefusedAtOnce) {
   ClusterOptions options = Options(1);
   options.gateway_args = {"--max-concurrent-requests", "1"};
   options.rank_args = {"--debug-step-delay-ms", "1500"};
+  options.rank_binary = "moe-rank-faults";
   LocalCluster cluster(options);
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   CallResult slow;
@@ -630,7 +631,7 @@ TEST_F(SecurityTest, AStepWithNonFiniteOutputFailsNamingTheRankNeverOk) {
   cluster.rank(1).Signal(SIGKILL);
   auto faulty =
       StartRank(cluster, 1, {"--cluster-token-file", cluster.token_file(), "--debug-nan-partials"},
-                "faulty.log");
+                "faulty.log", /*once=*/true, "moe-rank-faults");
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (absl::Now() < deadline && cluster.gateway().Log().find("ready (2 ranks)") ==
                                        cluster.gateway().Log().rfind("ready (2 ranks)"))

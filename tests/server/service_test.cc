@@ -198,9 +198,18 @@ TEST(ServiceTest, BadInputGetsPreciseErrorsAndTheServerKeepsServing) {
   }
 }
 
+// Two ranks that answer every step `delay_ms` late (moe-rank-faults, the tests' rank).
+ClusterOptions SlowRanks(const std::string& dir, int delay_ms,
+                         std::vector<std::string> gateway_args = {}) {
+  ClusterOptions options{
+      dir, 2, std::move(gateway_args), {"--debug-step-delay-ms", std::to_string(delay_ms)}};
+  options.rank_binary = "moe-rank-faults";
+  return options;
+}
+
 TEST(ServiceTest, DeadlinesAndCancellation) {
   const std::string dir = TestCheckpoint("k3-mini");
-  LocalCluster cluster(ClusterOptions{dir, 2, {}, {"--debug-step-delay-ms", "1500"}});
+  LocalCluster cluster(SlowRanks(dir, 1500));
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   const auto x = RandomInput(4, 640, 9);
   const absl::Time t0 = absl::Now();
@@ -225,7 +234,7 @@ TEST(ServiceTest, DeadlinesAndCancellation) {
 
 TEST(ServiceTest, RankKilledMidRunFailsCallsWithUnavailableWithoutHanging) {
   const std::string dir = TestCheckpoint("k3-mini");
-  LocalCluster cluster(ClusterOptions{dir, 2, {}, {"--debug-step-delay-ms", "1500"}});
+  LocalCluster cluster(SlowRanks(dir, 1500));
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   const auto x = RandomInput(64, 640, 3);  // 64 tokens choose experts on both ranks
   BackgroundCall call(cluster, 1, x, {64, 640}, absl::Seconds(20));
@@ -263,7 +272,10 @@ absl::Duration TimeUntilNotServing(LocalCluster& cluster, absl::Duration limit) 
 
 TEST(ServiceTest, ARankComputingLongerThanTheTimeoutIsNotHung) {
   // Heartbeats go on while a rank computes: a 1.5 s step against a 1 s timeout succeeds.
-  LocalCluster cluster(FastLiveness(TestCheckpoint("k3-mini"), {"--debug-step-delay-ms", "1500"}));
+  ClusterOptions options =
+      FastLiveness(TestCheckpoint("k3-mini"), {"--debug-step-delay-ms", "1500"});
+  options.rank_binary = "moe-rank-faults";
+  LocalCluster cluster(options);
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   const auto x = RandomInput(64, 640, 21);
   CallResult got = Call(cluster.stub(), 1, x, {64, 640}, absl::Seconds(20));
@@ -360,7 +372,7 @@ TEST(ServiceTest, AHungRankFailsItsStepsAndNeverBlocksDiagnostics) {
 // calls in flight finish (bit-identical, OK), then exits 0.
 TEST(ServiceTest, SigtermDrainsInFlightCallsThenExitsZero) {
   const std::string dir = TestCheckpoint("k3-mini");
-  LocalCluster cluster(ClusterOptions{dir, 2, {}, {"--debug-step-delay-ms", "1500"}});
+  LocalCluster cluster(SlowRanks(dir, 1500));
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   const auto x1 = RandomInput(3, 640, 31), x2 = RandomInput(257, 640, 32);
   BackgroundCall a(cluster, 1, x1, {3, 640}, absl::Seconds(30));
@@ -391,8 +403,7 @@ TEST(ServiceTest, SigtermDrainsInFlightCallsThenExitsZero) {
 
 TEST(ServiceTest, DrainTimeoutCancelsWhatIsLeftAndExits) {
   const std::string dir = TestCheckpoint("k3-mini");
-  LocalCluster cluster(
-      ClusterOptions{dir, 2, {"--drain-timeout-s", "0.3"}, {"--debug-step-delay-ms", "5000"}});
+  LocalCluster cluster(SlowRanks(dir, 5000, {"--drain-timeout-s", "0.3"}));
   ASSERT_TRUE(cluster.Start().ok()) << cluster.Logs();
   const auto x = RandomInput(8, 640, 33);
   BackgroundCall call(cluster, 1, x, {8, 640}, absl::Seconds(30));

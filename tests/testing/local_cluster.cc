@@ -137,7 +137,7 @@ absl::Status LocalCluster::Start(absl::Duration timeout) {
     return absl::OkStatus();
   };
   for (int r = 0; r < options_.ranks; ++r) {
-    std::vector<std::string> rank_argv = {BinaryPath("moe-rank"),
+    std::vector<std::string> rank_argv = {BinaryPath(options_.rank_binary),
                                           "--gateway",
                                           control_targets,
                                           "--rank",

@@ -29,6 +29,8 @@ struct ClusterOptions {
   // (--exit-on-disconnect, which most tests want: a lost rank stays lost).
   bool ranks_reconnect = false;
   int gateways = 1;
+  // The rank binary: moe-rank, or moe-rank-faults for rank_args with fault injection.
+  std::string rank_binary = "moe-rank";
 };
 
 class LocalCluster {
