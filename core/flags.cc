@@ -61,8 +61,8 @@ int64_t Flags::IntValue(const Flag& flag) const {
 void Flags::AddChoice(const std::string& name, const std::string& help,
                       std::vector<std::string> choices, const std::string& default_name,
                       std::function<void(size_t)> set_choice) {
-  Flag flag{Kind::kChoice, nullptr,
-            absl::StrCat(help, " (", absl::StrJoin(choices, ", "), ")"), default_name};
+  Flag flag{Kind::kChoice, nullptr, absl::StrCat(help, " (", absl::StrJoin(choices, ", "), ")"),
+            default_name};
   flag.choices = std::move(choices);
   flag.set_choice = std::move(set_choice);
   flags_[name] = std::move(flag);
@@ -96,8 +96,7 @@ absl::Status Flags::Assign(const std::string& name, Flag& flag, const std::strin
     case Kind::kChoice: {
       const auto it = std::find(flag.choices.begin(), flag.choices.end(), value);
       if (it == flag.choices.end())
-        return absl::InvalidArgumentError(absl::StrCat("--", name, ": '", value,
-                                                       "' is not one of ",
+        return absl::InvalidArgumentError(absl::StrCat("--", name, ": '", value, "' is not one of ",
                                                        absl::StrJoin(flag.choices, ", ")));
       flag.set_choice(static_cast<size_t>(it - flag.choices.begin()));
       break;

@@ -70,12 +70,11 @@ class Flags {
     std::string help;
     std::string default_text;
     bool set = false;
-    std::vector<std::string> choices;          // kChoice: the names
+    std::vector<std::string> choices;        // kChoice: the names
     std::function<void(size_t)> set_choice;  // kChoice: stores the value of choices[i]
   };
-  void AddChoice(const std::string& name, const std::string& help,
-                 std::vector<std::string> choices, const std::string& default_name,
-                 std::function<void(size_t)> set_choice);
+  void AddChoice(const std::string& name, const std::string& help, std::vector<std::string> choices,
+                 const std::string& default_name, std::function<void(size_t)> set_choice);
   absl::Status Assign(const std::string& name, Flag& flag, const std::string& value);
   absl::Status ParseArgs(const std::vector<std::string>& args, const std::string& program,
                          int depth);

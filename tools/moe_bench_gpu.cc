@@ -189,7 +189,8 @@ absl::Status Run(const Options& opt) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   std::fprintf(table, "moe-bench-gpu: %s layer %d (%d experts, top-%d, %s experts), %s, %s\n",
                ModelFamilyName(config.family), layer, E, config.routing.top_k,
-               WeightFormatName(config.expert_format), PrecisionName(opt.precision), backend->name().c_str());
+               WeightFormatName(config.expert_format), PrecisionName(opt.precision),
+               backend->name().c_str());
   std::fprintf(table, "  weights on device: %.2f GB, loaded in %.1f s\n",
                backend->weight_bytes() / 1e9, load_s);
 
@@ -250,9 +251,9 @@ absl::Status Run(const Options& opt) {
         "  \"experts\": %d,\n  \"top_k\": %d,\n  \"expert_format\": \"%s\",\n"
         "  \"load_seconds\": %s,\n  \"copy_gbps\": %s,\n  \"gemm_tflops\": %s,\n"
         "  \"expert_bytes\": %lld,\n  \"gateway_bytes\": %lld,\n  \"rows\": [",
-        backend->name(), ModelFamilyName(config.family), layer, PrecisionName(opt.precision), E, config.routing.top_k,
-        WeightFormatName(config.expert_format), Num(load_s, 3), Num(copy_gbps, 1),
-        Num(gemm_tflops, 1), static_cast<long long>(expert_bytes),
+        backend->name(), ModelFamilyName(config.family), layer, PrecisionName(opt.precision), E,
+        config.routing.top_k, WeightFormatName(config.expert_format), Num(load_s, 3),
+        Num(copy_gbps, 1), Num(gemm_tflops, 1), static_cast<long long>(expert_bytes),
         static_cast<long long>(gateway_bytes));
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];

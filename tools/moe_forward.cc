@@ -92,8 +92,8 @@ absl::Status Run(const Options& opt) {
                "moe-forward: %s layer %d, %lld tokens, %s, %s: load %.2f s, forward %.2f ms "
                "(median of %zu)\n",
                ModelFamilyName(config.family), layer, static_cast<long long>(tokens),
-               PrecisionName(opt.precision), backend.name().c_str(), load_s, 1e3 * times[times.size() / 2],
-               times.size());
+               PrecisionName(opt.precision), backend.name().c_str(), load_s,
+               1e3 * times[times.size() / 2], times.size());
   return absl::OkStatus();
 }
 

@@ -62,12 +62,12 @@ struct GatewayOptions {
   int64_t max_concurrent_requests = 1024;
   Precision precision = Precision::kBF16;
   TransportKind transport = TransportKind::kGrpc;  // NCCL on GPUs
-  std::string placement_file;      // explicit rank -> experts map; default: contiguous ranges
+  std::string placement_file;  // explicit rank -> experts map; default: contiguous ranges
   BatcherOptions batcher;
   int64_t max_request_tokens = 4096;
   BackendKind backend = BackendKind::kCpu;
-  int device = 0;               // CUDA device (backend cuda)
-  CpuBackendOptions cpu;        // gateway compute threads
+  int device = 0;         // CUDA device (backend cuda)
+  CpuBackendOptions cpu;  // gateway compute threads
   // NCCL: how long the communicator may take to form (ranks load their experts first).
   absl::Duration nccl_init_timeout = absl::Minutes(30);
   // Largest message on the public port; 0 = what the model needs: max_request_tokens fp32 rows

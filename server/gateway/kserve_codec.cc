@@ -102,9 +102,8 @@ absl::StatusOr<KServeCall> ToForwardRequest(const inference::ModelInferRequest& 
             ? absl::StrCat(" named '", absl::CEscape(request.inputs(0).name().substr(0, 64)), "'")
             : ""));
   const auto& input = request.inputs(0);
-  ASSIGN_OR_RETURN(
-      const moe::v1::DType dtype,
-      KServeDType(input.datatype(), absl::StrCat("input '", kKServeInput, "'")));
+  ASSIGN_OR_RETURN(const moe::v1::DType dtype,
+                   KServeDType(input.datatype(), absl::StrCat("input '", kKServeInput, "'")));
   moe::v1::Tensor* hidden = forward.mutable_hidden_states();
   hidden->set_dtype(dtype);
   hidden->mutable_shape()->Add(input.shape().begin(), input.shape().end());

@@ -7,9 +7,9 @@
 // before its body is read: the route, then the API token (401), then the declared
 // Content-Length against the public port's message limit (413; a body without a length is 411).
 // Only then is the body read, into one buffer of exactly that length. (The body of a refused
-// request is read and dropped by civetweb, in 8 KiB pieces: it costs a worker, no memory.) JSON bodies are decoded a
-// few at a time (kMaxJsonDecodes), since a DOM of numbers takes up to ~16x the text; they nest
-// at most 64 levels (model/bounded_json.h).
+// request is read and dropped by civetweb, in 8 KiB pieces: it costs a worker, no memory.) JSON
+// bodies are decoded a few at a time (kMaxJsonDecodes), since a DOM of numbers takes up to ~16x the
+// text; they nest at most 64 levels (model/bounded_json.h).
 #pragma once
 
 #include <memory>

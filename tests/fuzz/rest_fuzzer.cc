@@ -30,8 +30,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (json_length.has_value()) FUZZ_CHECK(raw >= body.size() - *json_length);
   const absl::StatusOr<moe::KServeCall> call = moe::ToForwardRequest(*request);
   if (!call.ok()) {
-    FUZZ_CHECK_CODE(call.status(), absl::StatusCode::kInvalidArgument,
-                    absl::StatusCode::kNotFound);
+    FUZZ_CHECK_CODE(call.status(), absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound);
     return 0;
   }
   // Echo the input as the output: it formats as JSON numbers or binary, whatever was asked.

@@ -146,8 +146,8 @@ TEST_P(TierCodeTest, EveryFp8CodeExactInEveryPath) {
       const auto portable = OneHotProducts(*PortableDotKernels(), w, p, per_call);
       for (int64_t i = 0; i < k; ++i) {
         ASSERT_EQ(y[i * 2], Fp8E4m3ToFloat(codes[i]))
-            << moe::PrecisionName(p) << " " << per_call << " rows per call, code 0x"
-            << std::hex << int{codes[i]};
+            << moe::PrecisionName(p) << " " << per_call << " rows per call, code 0x" << std::hex
+            << int{codes[i]};
         ASSERT_TRUE(SameBits(y[i * 2], portable[i * 2]));
         ASSERT_TRUE(std::isnan(y[i * 2 + 1])) << "per call " << per_call << " row " << i;
       }

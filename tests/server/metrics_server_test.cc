@@ -12,8 +12,8 @@
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "prometheus/counter.h"
 #include "model/synthetic.h"
+#include "prometheus/counter.h"
 #include "server/metrics/exposer.h"
 #include "server/metrics/gateway_metrics.h"
 
@@ -170,8 +170,8 @@ TEST(GatewayMetricsWindowTest, TheBalanceWindowEmptiesWhenTrafficStops) {
   // The step cap still bounds the window's memory.
   options.window = absl::Hours(1);
   options.window_steps = 3;
-  GatewayMetrics capped(*config, {1},
-                        ExpertPlacement::Contiguous(config->routing.num_experts, 4), options);
+  GatewayMetrics capped(*config, {1}, ExpertPlacement::Contiguous(config->routing.num_experts, 4),
+                        options);
   for (int i = 0; i < 5; ++i) capped.OnStep(step);
   EXPECT_EQ(capped.Load(1).steps, 3);
 }
