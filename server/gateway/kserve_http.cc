@@ -12,7 +12,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/status.h"
-#include "server/gateway/kserve_codec.h"
 #include "server/gateway/kserve_json.h"
 #include "server/gateway/kserve_model.h"
 #include "server/http/civet_listener.h"
@@ -249,13 +248,8 @@ class KServeHttpServer::Handler final : public CivetHandler {
 
   void Infer(mg_connection* conn, const Route& route, const std::string& body) {
     // The model before the body, as gRPC's ModelInfer answers NOT_FOUND before looking inside.
-    if (absl::StatusOr<int> layer = models_.ServedLayer(route.model, route.version); !layer.ok()) {
-      const absl::StatusOr<int> named = KServeModelLayer(route.model);
-      gateway_->metrics().OnRequest(named.ok() ? *named : -1,
-                                    static_cast<int>(layer.status().code()), absl::ZeroDuration(),
-                                    absl::ZeroDuration());
-      return RespondError(conn, layer.status());
-    }
+    if (absl::StatusOr<int> layer = models_.ServedLayer(route.model, route.version); !layer.ok())
+      return RespondError(conn, models_.Refuse(route.model, layer.status(), absl::ZeroDuration()));
     std::optional<size_t> json_length;
     if (const char* header = mg_get_header(conn, kInferenceHeaderLength); header != nullptr) {
       size_t length = 0;
@@ -275,14 +269,8 @@ class KServeHttpServer::Handler final : public CivetHandler {
     decode_mu_.Lock();
     --decoding_;
     decode_mu_.Unlock();
-    if (!request.ok()) {
-      // Counted as the gRPC APIs count a request refused before its step.
-      const absl::StatusOr<int> layer = KServeModelLayer(route.model);
-      gateway_->metrics().OnRequest(layer.ok() ? *layer : -1,
-                                    static_cast<int>(request.status().code()), absl::Now() - start,
-                                    absl::ZeroDuration());
-      return RespondError(conn, request.status());
-    }
+    if (!request.ok())
+      return RespondError(conn, models_.Refuse(route.model, request.status(), absl::Now() - start));
     inference::ModelInferResponse response;
     // No cancellation: civetweb does not tell a handler that its client went away; the step's
     // deadline and the gateway's limits bound what a vanished client costs.

@@ -17,6 +17,12 @@ void SetDuration(int64_t count, absl::Duration total, inference::StatisticDurati
   out->set_ns(static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Nanoseconds(total))));
 }
 
+// The metrics label of a request for `model`: the layer the name says, else -1.
+int MetricsLayer(const std::string& model) {
+  const absl::StatusOr<int> layer = KServeModelLayer(model);
+  return layer.ok() ? *layer : -1;
+}
+
 }  // namespace
 
 bool KServeModels::Serving() const { return gateway_->ready() && !gateway_->draining(); }
@@ -124,13 +130,15 @@ absl::Status KServeModels::Infer(const CallerWait& caller,
     if (status.ok()) ToModelInferResponse(request, *call, forward, response);
   }
   // The metrics label: the translated layer, else (refused early) whatever the name says.
-  int layer = -1;
-  if (call.ok()) {
-    layer = call->forward.layer();
-  } else if (absl::StatusOr<int> named = KServeModelLayer(request.model_name()); named.ok()) {
-    layer = *named;
-  }
+  const int layer = call.ok() ? call->forward.layer() : MetricsLayer(request.model_name());
   gateway_->metrics().OnRequest(layer, static_cast<int>(status.code()), absl::Now() - start, queue);
+  return status;
+}
+
+absl::Status KServeModels::Refuse(const std::string& model, absl::Status status,
+                                  absl::Duration latency) {
+  gateway_->metrics().OnRequest(MetricsLayer(model), static_cast<int>(status.code()), latency,
+                                absl::ZeroDuration());
   return status;
 }
 

@@ -37,6 +37,9 @@ class KServeModels {
   // back, and the request's metrics.
   absl::Status Infer(const CallerWait& caller, const inference::ModelInferRequest& request,
                      inference::ModelInferResponse* response);
+  // A request for `model` refused before Infer (by a front end's own checks of its body),
+  // counted in the metrics as Infer counts its refusals; returns `status`.
+  absl::Status Refuse(const std::string& model, absl::Status status, absl::Duration latency);
 
  private:
   Gateway* gateway_;
