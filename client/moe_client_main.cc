@@ -8,19 +8,12 @@
 //
 // Exit codes: 0 ok, 1 RPC or runtime failure (message on stderr), 2 usage error.
 #include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
-#include <map>
-#include <mutex>
-#include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -30,7 +23,6 @@
 #include "client/moe_client.h"
 #include "core/flags.h"
 #include "core/npy.h"
-#include "core/numerics.h"
 #include "core/status.h"
 #include "core/version.h"
 #include "google/protobuf/util/json_util.h"
