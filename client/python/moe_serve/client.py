@@ -486,8 +486,10 @@ class MoeClient(_ClientBase):
         except grpc.RpcError as e:
             raise _rpc_error(e) from None
         finally:
-            closed.set()
+            # Cancel before the request generator may return: its return half-closes the stream,
+            # and a server that saw the half-close first would finish the requests it had.
             call.cancel()
+            closed.set()
 
     def info(self, timeout: Optional[float] = 10.0) -> moe_pb2.ModelInfo:
         """moe.v1.ModelInfo."""
