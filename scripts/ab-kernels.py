@@ -3,6 +3,7 @@
 
     scripts/ab-kernels.py BASE NEW [--rounds 15] [--rows 48] [--cols 3584] [--m 1,2,4,8]
                           [--threads 1] [--formats bf16,mxfp4,fp8] [--stream] [--kernels T]
+                          [--dtype bf16|fp32]
 
 BASE and NEW are two moe-bench binaries (e.g. a copy of build/bin/moe-bench made before a change,
 and the rebuilt one). Their `moe-bench kernels` runs alternate, round after round, so that both
@@ -31,6 +32,8 @@ def run_once(binary, args):
         cmd.append("--stream")
     if args.kernels:
         cmd += ["--kernels", args.kernels]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"ab-kernels: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr.strip()}")
@@ -69,6 +72,7 @@ def main():
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--kernels", default="")
+    parser.add_argument("--dtype", default="", help="the dot products' precision (default bf16)")
     args = parser.parse_args()
     for binary in (args.base, args.new):
         if not os.access(binary, os.X_OK):

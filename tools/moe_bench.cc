@@ -416,7 +416,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
 // Single-kernel throughput: y = x W^T for one weight matrix in each format, weights resident
 // in cache (compute bound) or streamed from memory (a set of matrices much larger than L3).
 absl::Status RunKernels(int64_t rows, int64_t cols, const std::string& m_list, int threads,
-                        bool stream, const std::string& kernels) {
+                        bool stream, const std::string& kernels, Precision precision) {
   std::vector<int64_t> ms;
   for (absl::string_view t : absl::StrSplit(m_list, ',', absl::SkipEmpty())) {
     int64_t v;
@@ -428,9 +428,9 @@ absl::Status RunKernels(int64_t rows, int64_t cols, const std::string& m_list, i
                    CpuBackend::Create(CpuBackendOptions{threads, kernels}));
   CpuBackend& backend = *owned_backend;
   std::mt19937 rng(7);
-  std::printf("kernel throughput, %s, W [%lld, %lld], weights %s\n", backend.name().c_str(),
-              static_cast<long long>(rows), static_cast<long long>(cols),
-              stream ? "streamed from memory" : "in cache");
+  std::printf("kernel throughput, %s, %s mode, W [%lld, %lld], weights %s\n",
+              backend.name().c_str(), PrecisionName(precision), static_cast<long long>(rows),
+              static_cast<long long>(cols), stream ? "streamed from memory" : "in cache");
   std::printf("%6s %3s %10s %12s %12s\n", "format", "M", "us/matrix", "weight GB/s", "GFLOP/s");
   for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP4, WeightFormat::kFP8Block128}) {
     WeightMatrix proto;
@@ -473,12 +473,12 @@ absl::Status RunKernels(int64_t rows, int64_t cols, const std::string& m_list, i
       for (float& v : x) v = RoundToBf16(static_cast<float>(rng() % 1000) / 500.0f - 1.0f);
       const ConstMatrixView xv(x.data(), m, cols, cols);
       const MatrixView yv(y.data(), m, rows, rows);
-      RETURN_IF_ERROR(backend.Linear(xv, mats[0], yv, Precision::kBF16));
+      RETURN_IF_ERROR(backend.Linear(xv, mats[0], yv, precision));
       std::vector<double> us;
       for (int rep = 0; rep < 5; ++rep) {
         const auto t0 = std::chrono::steady_clock::now();
         for (const WeightMatrix& w : mats)
-          RETURN_IF_ERROR(backend.Linear(xv, w, yv, Precision::kBF16));
+          RETURN_IF_ERROR(backend.Linear(xv, w, yv, precision));
         us.push_back(1e6 *
                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
                      copies);
@@ -543,16 +543,21 @@ int main(int argc, char** argv) {
     int threads = 0;
     bool stream = false;
     std::string kernels;
+    moe::Precision precision = moe::Precision::kBF16;
     moe::Flags flags(
-        "usage: moe-bench kernels [--rows R] [--cols K] [--m 1,4,16] [--stream] [--kernels T]");
+        "usage: moe-bench kernels [--rows R] [--cols K] [--m 1,4,16] [--stream] [--kernels T] "
+        "[--dtype bf16|fp32]");
     flags.Int("rows", &rows, "weight rows (output features)");
     flags.Int("cols", &cols, "weight columns (input features)");
     flags.String("m", &m, "operand rows (tokens), comma separated");
     flags.Int("threads", &threads, "threads (0 = all)");
     flags.Bool("stream", &stream, "stream weights from memory (1 GB of matrices) instead of cache");
     flags.String("kernels", &kernels, "CPU kernel tier (default: MOE_CPU_KERNELS, else the best)");
+    flags.Choice("dtype", &precision, moe::PrecisionChoices(),
+                 "the dot products' precision (fp32: the router's mode)");
     flags.ParseOrExit(argc, argv, 2);
-    if (absl::Status s = moe::RunKernels(rows, cols, m, threads, stream, kernels); !s.ok()) {
+    if (absl::Status s = moe::RunKernels(rows, cols, m, threads, stream, kernels, precision);
+        !s.ok()) {
       std::fprintf(stderr, "moe-bench: %s\n", s.ToString().c_str());
       return 1;
     }

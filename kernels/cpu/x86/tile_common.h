@@ -27,8 +27,9 @@ struct PrefetchCursor {
   const char* end = nullptr;
   int64_t per_block = 0;
   void Step() {
-    for (int64_t i = 0; i < per_block && next < end; ++i, next += 64)
-      _mm_prefetch(next, _MM_HINT_T1);
+    const char* stop = end - next > per_block * 64 ? next + per_block * 64 : end;
+    for (const char* p = next; p < stop; p += 64) _mm_prefetch(p, _MM_HINT_T1);
+    if (stop > next) next = stop;
   }
   // The stored bytes of weight rows [row, row + rows), spread over `blocks` steps.
   static PrefetchCursor Rows(const WeightMatrix& w, int64_t row, int64_t rows, int64_t blocks) {
