@@ -477,8 +477,7 @@ absl::Status RunKernels(int64_t rows, int64_t cols, const std::string& m_list, i
       std::vector<double> us;
       for (int rep = 0; rep < 5; ++rep) {
         const auto t0 = std::chrono::steady_clock::now();
-        for (const WeightMatrix& w : mats)
-          RETURN_IF_ERROR(backend.Linear(xv, w, yv, precision));
+        for (const WeightMatrix& w : mats) RETURN_IF_ERROR(backend.Linear(xv, w, yv, precision));
         us.push_back(1e6 *
                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
                      copies);
