@@ -141,6 +141,7 @@ struct LayerRun {
   int threads = 0;
   double load_s = 0;
   bench::Roofline roof;
+  bench::HostCpu host;
 };
 
 // The rows against the roofline, each stage against the machine, and the M2N cost model.
@@ -150,6 +151,8 @@ void PrintLayerRun(const LayerRun& run, const MoeConfig& config, Precision preci
               run.name.c_str(), config.routing.num_experts, config.routing.top_k,
               WeightFormatName(config.expert_format), PrecisionName(precision), run.backend.c_str(),
               run.load_s);
+  std::printf("host: %s, %s (%s)\n", run.host.model.c_str(), run.host.vendor.c_str(),
+              run.host.flags.c_str());
   std::printf(
       "machine: streaming read %.1f GB/s at start (%s loads); compute peak %.0f GFLOP/s at start "
       "(%s, the %s tier's multiply-add, %d threads); each row: the best probes around its runs; "
@@ -226,11 +229,15 @@ void WriteLayerJson(const std::string& path, const LayerRun& run, const MoeConfi
       "\"%s\", "
       "\"backend\": \"%s\", \"tier\": \"%s\", \"read_gbps\": %.3f, \"read_kernel\": \"%s\", "
       "\"peak_gflops\": %.3f, \"peak_source\": \"%s\", \"bf16_gflops\": %.3f, "
-      "\"fp32_gflops\": %.3f, \"gemm\": \"%s\", \"rows\": [",
+      "\"fp32_gflops\": %.3f, \"gemm\": \"%s\", \"host\": {\"cpu\": \"%s\", \"vendor\": \"%s\", "
+      "\"flags\": \"%s\"}, "
+      "\"rows\": [",
       run.name, config.routing.num_experts, config.routing.top_k,
       WeightFormatName(config.expert_format), PrecisionName(precision), run.backend, run.tier,
       run.roof.read_gbps, run.roof.read_kernel, run.roof.peak_gflops, run.roof.peak_source,
-      run.roof.bf16_gflops, run.roof.fp32_gflops, run.roof.gemm_source);
+      run.roof.bf16_gflops, run.roof.fp32_gflops, run.roof.gemm_source,
+      absl::StrReplaceAll(run.host.model, {{"\"", ""}, {"\\", ""}}),
+      absl::StrReplaceAll(run.host.vendor, {{"\"", ""}, {"\\", ""}}), run.host.flags);
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     out << absl::StrFormat(
@@ -407,6 +414,7 @@ absl::Status RunLayer(const LayerOptions& opt) {
   run.threads = backend.num_threads();
   run.load_s = load_s;
   run.roof = roof;
+  run.host = bench::DescribeHostCpu();
   PrintLayerRun(run, config, precision, rows);
   if (!opt.json.empty()) WriteLayerJson(opt.json, run, config, precision, rows);
   if (!opt.plot.empty()) WriteLayerPlot(opt.plot, run, rows);

@@ -51,6 +51,16 @@ def main() -> int:
     assert [r["tokens"] for r in rows] == [1, 3, 257], rows
     assert res["read_gbps"] > 0 and res["peak_gflops"] > 0 and res["peak_source"], res
     assert res["tier"] in res["backend"], res
+    # The host as /proc/cpuinfo names it, so that committed results say where they ran.
+    with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    model = next(l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith("model name"))
+    assert res["host"]["cpu"] == model.replace('"', "").replace("\\", ""), res["host"]
+    field = lambda k: next(l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.split(":")[0].strip() == k)
+    assert res["host"]["vendor"] == f'{field("vendor_id")} family {field("cpu family")} model {field("model")}', res["host"]
+    host_flags = next(l.split(":", 1)[1].split() for l in cpuinfo.splitlines() if l.startswith("flags"))
+    want = sorted(f for f in host_flags if f in ("avx2", "fma", "f16c") or f.startswith(("avx512", "amx")))
+    assert res["host"]["flags"].split() == want, (res["host"], want)
     prev = None
     for r in rows:
         assert r["runs"] >= 3 and 0 < r["min_ms"] <= r["median_ms"], r

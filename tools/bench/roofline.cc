@@ -4,9 +4,16 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <set>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "core/thread_pool.h"
 #include "tools/bench/probes.h"
 
@@ -43,6 +50,31 @@ double ReadProbe::Measure(int repeats) {
     gbps.push_back(static_cast<double>(bytes_) / s / 1e9);
   }
   return *std::max_element(gbps.begin(), gbps.end()) + 0 * static_cast<double>(sums[0] & 1);
+}
+
+HostCpu DescribeHostCpu() {
+  HostCpu host;
+  std::ifstream in("/proc/cpuinfo");
+  std::set<std::string> flags;
+  std::string vendor, family, model;
+  for (std::string line; std::getline(in, line);) {
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const std::string key(absl::StripAsciiWhitespace(line.substr(0, colon)));
+    const std::string value(absl::StripAsciiWhitespace(line.substr(colon + 1)));
+    if (key == "model name" && host.model.empty()) host.model = value;
+    if (key == "vendor_id" && vendor.empty()) vendor = value;
+    if (key == "cpu family" && family.empty()) family = value;
+    if (key == "model" && model.empty()) model = value;
+    if (key != "flags" || !flags.empty()) continue;
+    for (absl::string_view f : absl::StrSplit(value, ' ', absl::SkipEmpty()))
+      if (f == "avx2" || f == "fma" || f == "f16c" || absl::StartsWith(f, "avx512") ||
+          absl::StartsWith(f, "amx"))
+        flags.insert(std::string(f));
+  }
+  host.flags = absl::StrJoin(flags, " ");
+  host.vendor = absl::StrCat(vendor, " family ", family, " model ", model);
+  return host;
 }
 
 double MeasureReadBandwidth(int threads, size_t bytes, int repeats) {

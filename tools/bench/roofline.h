@@ -24,6 +24,17 @@ struct Roofline {
   std::string gemm_source;  // "oneDNN matmul ...", ...
 };
 
+// The host CPU as /proc/cpuinfo names it: its model name, vendor, family and model, and the vector
+// extensions the kernel tiers care about (avx2, fma, f16c, avx512*, amx*), so that a committed
+// result names its host. Empty fields where the file is absent (not Linux).
+struct HostCpu {
+  std::string model;
+  std::string vendor;  // vendor_id, with "family F model M" (the model name can be as vague as
+                       // "AMD EPYC" in a guest)
+  std::string flags;   // space separated, sorted
+};
+HostCpu DescribeHostCpu();
+
 // `threads`: worker threads for the bandwidth run and the compute probe (the GEMM library
 // uses its own). `tier`: the CPU kernel tier whose arithmetic sets the compute peak.
 // `gemm`: also time the GEMM library, for reference (seconds of large GEMMs).
