@@ -254,8 +254,11 @@ class KServeHttpServer::Handler final : public CivetHandler {
     if (const char* header = mg_get_header(conn, kInferenceHeaderLength); header != nullptr) {
       size_t length = 0;
       if (!absl::SimpleAtoi(header, &length))
-        return RespondError(conn, absl::InvalidArgumentError(absl::StrCat(kInferenceHeaderLength,
-                                                                          " is not a byte count")));
+        return RespondError(
+            conn, models_.Refuse(route.model,
+                                 absl::InvalidArgumentError(
+                                     absl::StrCat(kInferenceHeaderLength, " is not a byte count")),
+                                 absl::ZeroDuration()));
       json_length = length;
     }
     // A DOM of JSON numbers takes up to ~16x the text: a few decodes at a time bound it.

@@ -189,6 +189,9 @@ class KServeRestTest(ClusterFixture):
         self.assertEqual(code, 429, error)  # RESOURCE_EXHAUSTED: more tokens than --max-request-tokens
         code, error = infer(json.dumps({"inputs": []}).encode())
         self.assertEqual(code, 400)
+        code, error = infer(header, headers=["Inference-Header-Content-Length: twelve"])
+        self.assertEqual(code, 400)
+        self.assertIn("Inference-Header-Content-Length is not a byte count", error)
         code, error = infer(json.dumps({"inputs": [{"name": "hidden_states", "shape": [1, HIDDEN], "datatype": "FP32",
                                                     "data": [[[[1.0] * HIDDEN]]]}], "outputs": [{"name": "logits"}]}
                                        ).encode())
@@ -197,7 +200,8 @@ class KServeRestTest(ClusterFixture):
         code, _, _ = self.curl("/v2/models/moe-layer-9/infer", data=b"{}")
         self.assertEqual(code, 404)
         after = self.request_counts(1)
-        self.assertGreaterEqual(after["INVALID_ARGUMENT"] - before["INVALID_ARGUMENT"], 5)
+        # Every refusal above is counted under the layer its URL names (the 404 under none).
+        self.assertEqual(after["INVALID_ARGUMENT"] - before["INVALID_ARGUMENT"], 7)
         self.assertEqual(after["RESOURCE_EXHAUSTED"] - before["RESOURCE_EXHAUSTED"], 1)
 
     def raw_post(self, content_length, token, send_bytes):
