@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/growable_memory.h"
 #include "kernels/cuda/launchers.h"
 
 namespace moe {
@@ -97,50 +98,6 @@ class Backoff {
 
  private:
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-};
-
-// ---- memory -------------------------------------------------------------------------------------
-
-class DeviceMem {
- public:
-  ~DeviceMem() { cudaFree(data_); }
-  bool Fits(size_t bytes) const { return data_ != nullptr && bytes <= size_; }
-  // Grows (contents lost); the caller guarantees no queued work uses the buffer.
-  absl::Status Ensure(size_t bytes) {
-    if (bytes <= size_ && data_ != nullptr) return absl::OkStatus();
-    const size_t grown = std::max(Align16(std::max<size_t>(bytes, 16)), size_ + size_ / 2);
-    CUDA_RETURN_IF_ERROR(cudaFree(data_));
-    data_ = nullptr;
-    size_ = 0;
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&data_, grown));
-    size_ = grown;
-    return absl::OkStatus();
-  }
-  uint8_t* get() const { return static_cast<uint8_t*>(data_); }
-
- private:
-  void* data_ = nullptr;
-  size_t size_ = 0;
-};
-
-class PinnedMem {
- public:
-  ~PinnedMem() { cudaFreeHost(data_); }
-  absl::Status Ensure(size_t bytes) {
-    if (bytes <= size_ && data_ != nullptr) return absl::OkStatus();
-    const size_t grown = std::max(Align16(std::max<size_t>(bytes, 16)), size_ + size_ / 2);
-    CUDA_RETURN_IF_ERROR(cudaFreeHost(data_));
-    data_ = nullptr;
-    size_ = 0;
-    CUDA_RETURN_IF_ERROR(cudaHostAlloc(&data_, grown, cudaHostAllocDefault));
-    size_ = grown;
-    return absl::OkStatus();
-  }
-  uint8_t* get() const { return static_cast<uint8_t*>(data_); }
-
- private:
-  void* data_ = nullptr;
-  size_t size_ = 0;
 };
 
 // ---- the communicator ---------------------------------------------------------------------------
@@ -286,11 +243,11 @@ struct NcclGatewayTransport::State {
   std::mutex mu;
 
   struct Peer {
-    DeviceMem meta, rows, reply, partial;
+    cuda::DeviceMemory meta, rows, reply, partial;
   };
   std::vector<Peer> peers;
-  DeviceMem headers;  // R x StepHeader
-  PinnedMem host_headers, host_meta, host_replies;
+  cuda::DeviceMemory headers;  // R x StepHeader
+  cuda::PinnedMemory host_headers, host_meta, host_replies;
 
   bool in_flight = false;
   uint64_t in_flight_step = 0;
@@ -672,8 +629,8 @@ struct NcclRankTransport::State {
   std::mutex mu;
   std::atomic<bool> cancel{false};
 
-  DeviceMem header, meta, rows_wire, rows_f32, reply, partial;
-  PinnedMem host_header, host_meta, host_reply;
+  cuda::DeviceMemory header, meta, rows_wire, rows_f32, reply, partial;
+  cuda::PinnedMemory host_header, host_meta, host_reply;
 
   bool awaiting_reply = false;
   uint64_t pending_step = 0;

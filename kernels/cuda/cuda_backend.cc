@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/growable_memory.h"
 #include "kernels/cuda/launchers.h"
 
 namespace moe {
@@ -72,29 +73,6 @@ class CudaDeviceBuffer final : public DeviceBuffer {
   size_t size_;
 };
 
-// Device memory that grows on demand. Growing waits for the stream first, since queued
-// kernels may still read the old buffer.
-class Scratch {
- public:
-  ~Scratch() { cudaFree(data_); }
-  absl::StatusOr<void*> Reserve(size_t bytes, cudaStream_t stream) {
-    if (bytes <= size_ && data_ != nullptr) return data_;
-    // Grow by 1.5x so a slowly rising batch does not reallocate every step.
-    const size_t grown = std::max(AlignUp(std::max<size_t>(bytes, 1)), size_ + size_ / 2);
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-    CUDA_RETURN_IF_ERROR(cudaFree(data_));
-    data_ = nullptr;
-    size_ = 0;
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&data_, grown));
-    size_ = grown;
-    return data_;
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t size_ = 0;
-};
-
 // Host arrays an op needs on the device, packed into one pinned buffer and sent with one
 // asynchronous copy. The pinned buffer is rewritten only after the previous copy from it
 // completed (event).
@@ -126,21 +104,20 @@ struct CudaBackend::Impl {
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
   cudaEvent_t staging_done = nullptr;
-  void* staging = nullptr;  // pinned
-  size_t staging_size = 0;
+  cuda::PinnedMemory staging;
 
   std::mutex mu;  // one op at a time: the scratch buffers are shared
   std::vector<void*> weight_allocations;
   int64_t weight_bytes = 0;
 
-  // Scratch buffers (see the ops below).
-  Scratch operand;   // packed GEMM operand (Linear) / gathered expert input (ExpertMlp)
-  Scratch decoded;   // decoded weight for the cuBLAS path
-  Scratch partials;  // FP8 per-K-block partials
-  Scratch gate_up;   // ExpertMlp: [A, 2 * hidden] fp32 (gate | up)
-  Scratch hidden;    // ExpertMlp: packed hidden activations
-  Scratch out;       // ExpertMlp: [A, in] fp32 expert outputs
-  Scratch index;     // device copy of the op's host arrays (HostBlob)
+  // Scratch buffers (see the ops below), grown through Reserve.
+  cuda::DeviceMemory operand;   // packed GEMM operand (Linear) / gathered expert input (ExpertMlp)
+  cuda::DeviceMemory decoded;   // decoded weight for the cuBLAS path
+  cuda::DeviceMemory partials;  // FP8 per-K-block partials
+  cuda::DeviceMemory gate_up;   // ExpertMlp: [A, 2 * hidden] fp32 (gate | up)
+  cuda::DeviceMemory hidden;    // ExpertMlp: packed hidden activations
+  cuda::DeviceMemory out;       // ExpertMlp: [A, in] fp32 expert outputs
+  cuda::DeviceMemory index;     // device copy of the op's host arrays (HostBlob)
 
   ~Impl() {
     DeviceGuard guard(options.device);
@@ -149,8 +126,15 @@ struct CudaBackend::Impl {
     if (cublas != nullptr) cublasDestroy(cublas);
     cudaFree(cublas_workspace);
     if (staging_done != nullptr) cudaEventDestroy(staging_done);
-    cudaFreeHost(staging);
     if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+
+  // Scratch `m` with room for `bytes`. Growing waits for the stream first: queued kernels may
+  // still read the old buffer.
+  absl::StatusOr<void*> Reserve(cuda::DeviceMemory& m, size_t bytes) {
+    if (!m.Fits(bytes)) CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    RETURN_IF_ERROR(m.Ensure(bytes));
+    return m.get();
   }
 
   bool bf16(Precision p) const { return p == Precision::kBF16; }
@@ -161,17 +145,11 @@ struct CudaBackend::Impl {
     const size_t bytes = blob.bytes().size();
     if (bytes == 0) return nullptr;
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_done));  // previous copy done
-    if (bytes > staging_size) {
-      const size_t grown = std::max(AlignUp(bytes), staging_size * 2);
-      CUDA_RETURN_IF_ERROR(cudaFreeHost(staging));
-      staging = nullptr;
-      staging_size = 0;
-      CUDA_RETURN_IF_ERROR(cudaHostAlloc(&staging, grown, cudaHostAllocDefault));
-      staging_size = grown;
-    }
-    std::memcpy(staging, blob.bytes().data(), bytes);
-    ASSIGN_OR_RETURN(void* dst, index.Reserve(bytes, stream));
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, staging, bytes, cudaMemcpyHostToDevice, stream));
+    RETURN_IF_ERROR(staging.Ensure(bytes));
+    std::memcpy(staging.get(), blob.bytes().data(), bytes);
+    ASSIGN_OR_RETURN(void* dst, Reserve(index, bytes));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, staging.get(), bytes, cudaMemcpyHostToDevice, stream));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_done, stream));
     return static_cast<uint8_t*>(dst);
   }
@@ -211,7 +189,7 @@ struct CudaBackend::Impl {
     const bool fp8 = w.format == WeightFormat::kFP8Block128;
     if (fp8 || w.format == WeightFormat::kMXFP4 || !b16) {
       ldw = fp8 ? RoundUp(K, kFp8Block) : K;
-      ASSIGN_OR_RETURN(void* dec, decoded.Reserve(static_cast<size_t>(N * ldw) * esize, stream));
+      ASSIGN_OR_RETURN(void* dec, Reserve(decoded, static_cast<size_t>(N * ldw) * esize));
       CUDA_RETURN_IF_ERROR(cuda::LaunchDecodeWeight(Stored(w.format), w.data, w.scales, N, K, dec,
                                                     ldw, ldw, b16, stream));
       wdata = dec;
@@ -230,7 +208,7 @@ struct CudaBackend::Impl {
     const int64_t per_row = nb * N * static_cast<int64_t>(sizeof(float));
     const int64_t chunk = std::max<int64_t>(
         1, std::min<int64_t>(m, options.fp8_partials_bytes / std::max<int64_t>(per_row, 1)));
-    ASSIGN_OR_RETURN(void* part, partials.Reserve(static_cast<size_t>(chunk * per_row), stream));
+    ASSIGN_OR_RETURN(void* part, Reserve(partials, static_cast<size_t>(chunk * per_row)));
     auto* part_f = static_cast<float*>(part);
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
       const int64_t mc = std::min(chunk, m - m0);
@@ -431,8 +409,8 @@ absl::Status CudaBackend::DoLinear(ConstMatrixView x, const WeightMatrix& w, Mat
   Impl& im = *impl_;
   const bool b16 = im.bf16(p);
   const int64_t lda = OperandCols(w.format, x.cols);
-  ASSIGN_OR_RETURN(
-      void* a, im.operand.Reserve(static_cast<size_t>(x.rows * lda) * (b16 ? 2 : 4), im.stream));
+  ASSIGN_OR_RETURN(void* a,
+                   im.Reserve(im.operand, static_cast<size_t>(x.rows * lda) * (b16 ? 2 : 4)));
   CUDA_RETURN_IF_ERROR(cuda::LaunchPackOperand(x.data, x.stride, nullptr, x.rows, x.cols, a, lda,
                                                lda, b16, im.stream));
   RETURN_IF_ERROR(im.MatMul(a, lda, x.rows, w, p, y.data, y.stride));
@@ -526,13 +504,11 @@ absl::Status CudaBackend::DoExpertMlp(ConstMatrixView x, const ExpertAssignments
   const auto* d_down = reinterpret_cast<const cuda::GemvTask*>(dev + down_at);
 
   // 1. The gathered operand: row i is x[rows[i]] (expert-grouped order).
-  ASSIGN_OR_RETURN(void* xg,
-                   im.operand.Reserve(static_cast<size_t>(A * in_cols) * esize, im.stream));
+  ASSIGN_OR_RETURN(void* xg, im.Reserve(im.operand, static_cast<size_t>(A * in_cols) * esize));
   CUDA_RETURN_IF_ERROR(cuda::LaunchPackOperand(x.data, x.stride, d_rows, A, in, xg, in_cols,
                                                in_cols, b16, im.stream));
   // 2. gate | up: [A, 2 * hidden] raw fp32.
-  ASSIGN_OR_RETURN(void* gu_raw,
-                   im.gate_up.Reserve(static_cast<size_t>(A * 2 * hidden) * 4, im.stream));
+  ASSIGN_OR_RETURN(void* gu_raw, im.Reserve(im.gate_up, static_cast<size_t>(A * 2 * hidden) * 4));
   auto* gu = static_cast<float*>(gu_raw);
   if (!gate_up_tasks.empty())
     CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedGemv(
@@ -547,12 +523,12 @@ absl::Status CudaBackend::DoExpertMlp(ConstMatrixView x, const ExpertAssignments
         im.MatMul(a, in_cols, m, experts[e].up, p, gu + off * 2 * hidden + hidden, 2 * hidden));
   }
   // 3. a = round(act(round(g), round(u))), packed as the down projection's operand.
-  ASSIGN_OR_RETURN(void* h, im.hidden.Reserve(static_cast<size_t>(A * h_cols) * esize, im.stream));
+  ASSIGN_OR_RETURN(void* h, im.Reserve(im.hidden, static_cast<size_t>(A * h_cols) * esize));
   CUDA_RETURN_IF_ERROR(cuda::LaunchGluActivation(gu, 2 * hidden, gu + hidden, 2 * hidden, A, hidden,
                                                  act, b16, /*round_inputs=*/true, h, h_cols, h_cols,
                                                  /*out_bf16=*/b16, im.stream));
   // 4. o = a W2^T: [A, in] raw fp32.
-  ASSIGN_OR_RETURN(void* o_raw, im.out.Reserve(static_cast<size_t>(A * in) * 4, im.stream));
+  ASSIGN_OR_RETURN(void* o_raw, im.Reserve(im.out, static_cast<size_t>(A * in) * 4));
   auto* o = static_cast<float*>(o_raw);
   if (!down_tasks.empty())
     CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedGemv(Stored(hidden_format), in, hidden, d_down,
