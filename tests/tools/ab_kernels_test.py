@@ -72,6 +72,20 @@ def main() -> int:
             assert row[0][12] == wins and abs(float(row[0][13]) - 0.031) < 1e-3, row
             assert row[0][14] == verdict and 0.5 * ratio < float(row[0][11]) < 2 * ratio, row
 
+    # --dtype reaches both builds: a wrapper records its arguments and keeps moe-bench's header.
+    with tempfile.TemporaryDirectory() as tmp:
+        recorder, args_file = os.path.join(tmp, "moe-bench-rec"), os.path.join(tmp, "args")
+        with open(recorder, "w") as f:
+            f.write(f"#!/bin/sh\nset -e\necho \"$@\" >> '{args_file}'\n'{bench}' \"$@\" | tee -a '{args_file}'\n")
+        os.chmod(recorder, 0o755)
+        run = subprocess.run([sys.executable, SCRIPT, recorder, recorder, "--rounds", "1", "--rows", "8",
+                              "--cols", "256", "--m", "1", "--formats", "bf16", "--dtype", "fp32"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        with open(args_file) as f:
+            recorded = f.read()
+        assert recorded.count("--dtype fp32") == 2 and recorded.count("fp32 mode") == 2, recorded
+
     missing = subprocess.run([sys.executable, SCRIPT, "/nonexistent/moe-bench", bench],
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "not an executable moe-bench" in missing.stderr, missing
