@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -221,27 +223,29 @@ void PrintLayerRun(const LayerRun& run, const MoeConfig& config, Precision preci
   }
 }
 
+// A JSON string literal of `s` (quotes and escapes by the JSON library): names such as --label
+// and the CPU's model name are free text.
+std::string JsonString(const std::string& s) { return nlohmann::json(s).dump(); }
+
 void WriteLayerJson(const std::string& path, const LayerRun& run, const MoeConfig& config,
                     Precision precision, const std::vector<Row>& rows) {
   std::ofstream out(path);
   out << absl::StrFormat(
-      "{\"model\": \"%s\", \"experts\": %d, \"top_k\": %d, \"expert_format\": \"%s\", \"dtype\": "
-      "\"%s\", "
-      "\"backend\": \"%s\", \"tier\": \"%s\", \"read_gbps\": %.3f, \"read_kernel\": \"%s\", "
-      "\"peak_gflops\": %.3f, \"peak_source\": \"%s\", \"bf16_gflops\": %.3f, "
-      "\"fp32_gflops\": %.3f, \"gemm\": \"%s\", \"host\": {\"cpu\": \"%s\", \"vendor\": \"%s\", "
-      "\"flags\": \"%s\"}, "
-      "\"rows\": [",
-      run.name, config.routing.num_experts, config.routing.top_k,
-      WeightFormatName(config.expert_format), PrecisionName(precision), run.backend, run.tier,
-      run.roof.read_gbps, run.roof.read_kernel, run.roof.peak_gflops, run.roof.peak_source,
-      run.roof.bf16_gflops, run.roof.fp32_gflops, run.roof.gemm_source,
-      absl::StrReplaceAll(run.host.model, {{"\"", ""}, {"\\", ""}}),
-      absl::StrReplaceAll(run.host.vendor, {{"\"", ""}, {"\\", ""}}), run.host.flags);
+      "{\"model\": %s, \"experts\": %d, \"top_k\": %d, \"expert_format\": \"%s\", \"dtype\": "
+      "\"%s\", \"backend\": %s, \"tier\": %s, \"read_gbps\": %.3f, \"read_kernel\": %s, "
+      "\"peak_gflops\": %.3f, \"peak_source\": %s, \"bf16_gflops\": %.3f, "
+      "\"fp32_gflops\": %.3f, \"gemm\": %s, \"host\": {\"cpu\": %s, \"vendor\": %s, "
+      "\"flags\": %s}, \"rows\": [",
+      JsonString(run.name), config.routing.num_experts, config.routing.top_k,
+      WeightFormatName(config.expert_format), PrecisionName(precision), JsonString(run.backend),
+      JsonString(run.tier), run.roof.read_gbps, JsonString(run.roof.read_kernel),
+      run.roof.peak_gflops, JsonString(run.roof.peak_source), run.roof.bf16_gflops,
+      run.roof.fp32_gflops, JsonString(run.roof.gemm_source), JsonString(run.host.model),
+      JsonString(run.host.vendor), JsonString(run.host.flags));
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     out << absl::StrFormat(
-        "%s{\"tokens\": %d, \"tier\": \"%s\", \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": "
+        "%s{\"tokens\": %d, \"tier\": %s, \"median_ms\": %.4f, \"min_ms\": %.4f, \"runs\": "
         "%d, "
         "\"experts_touched\": %d, \"read_gbps\": %.3f, \"peak_gflops\": %.3f, "
         "\"weight_bytes\": %.0f, \"flops\": %.0f, \"bw_ms\": %.4f, \"flop_ms\": %.4f, "
@@ -249,10 +253,10 @@ void WriteLayerJson(const std::string& path, const LayerRun& run, const MoeConfi
         "\"x_roofline\": %.4f, \"route_ms\": %.3f, \"experts_ms\": %.3f, \"shared_ms\": %.3f, "
         "\"finish_ms\": %.3f, \"gateway_cpu_ms_per_token\": %.4f, "
         "\"ranks_cpu_ms_per_token\": %.4f, \"stages\": [%s]}",
-        i ? ", " : "", r.tokens, run.tier, r.median_ms, r.min_ms, r.runs, r.experts_touched,
-        r.read_gbps, r.peak_gflops, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms, r.roofline_ms,
-        r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms, r.finish_ms,
-        (r.route_ms + r.shared_ms + r.finish_ms) * run.threads / r.tokens,
+        i ? ", " : "", r.tokens, JsonString(run.tier), r.median_ms, r.min_ms, r.runs,
+        r.experts_touched, r.read_gbps, r.peak_gflops, r.weight_bytes, r.flops, r.bw_ms, r.flop_ms,
+        r.roofline_ms, r.median_ms / r.roofline_ms, r.route_ms, r.experts_ms, r.shared_ms,
+        r.finish_ms, (r.route_ms + r.shared_ms + r.finish_ms) * run.threads / r.tokens,
         r.experts_ms * run.threads / r.tokens, StagesJson(r));
   }
   out << "]}\n";

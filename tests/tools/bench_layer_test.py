@@ -16,6 +16,9 @@ import tempfile
 BIN = os.environ["MOE_BIN_DIR"]
 
 
+LABEL = 'k3-mini\'s "layer"'
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
@@ -23,14 +26,15 @@ def main() -> int:
                        check=True, capture_output=True)
         out_json = os.path.join(tmp, "bench.json")
         # The chart too (gnuplot-nox is a declared dependency), with a quote in the label and in
-        # the path, which gnuplot's quoted strings must escape.
+        # the path, which gnuplot's quoted strings must escape; the JSON string escapes the label's
+        # double quotes.
         plot_dir = os.path.join(tmp, "it's here")
         os.mkdir(plot_dir)
         out_png = os.path.join(plot_dir, "bench.png")
         run = subprocess.run(
             [f"{BIN}/moe-bench", "layer", "--checkpoint", ckpt, "--tokens", "1,3,257",
              "--repeat", "3", "--threads", "2", "--buffer-gb", "0.25", "--json", out_json,
-             "--plot", out_png, "--label", "k3-mini's layer"],
+             "--plot", out_png, "--label", LABEL],
             check=True, capture_output=True, text=True, timeout=600)
         table = run.stdout
         with open(out_json) as f:
@@ -46,7 +50,7 @@ def main() -> int:
         with open(out_png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", out_png
         with open(out_png + ".gp") as f:
-            assert "k3-mini''s layer" in f.read()
+            assert "k3-mini''s \"layer\"" in f.read()
     rows = res["rows"]
     assert [r["tokens"] for r in rows] == [1, 3, 257], rows
     assert res["read_gbps"] > 0 and res["peak_gflops"] > 0 and res["peak_source"], res
@@ -55,7 +59,8 @@ def main() -> int:
     with open("/proc/cpuinfo") as f:
         cpuinfo = f.read()
     model = next(l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith("model name"))
-    assert res["host"]["cpu"] == model.replace('"', "").replace("\\", ""), res["host"]
+    assert res["host"]["cpu"] == model, res["host"]
+    assert res["model"] == LABEL, res["model"]
     field = lambda k: next(l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.split(":")[0].strip() == k)
     assert res["host"]["vendor"] == f'{field("vendor_id")} family {field("cpu family")} model {field("model")}', res["host"]
     host_flags = next(l.split(":", 1)[1].split() for l in cpuinfo.splitlines() if l.startswith("flags"))
