@@ -52,8 +52,6 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::WorkerLoop(int index) {
   uint64_t seen = 0;
   for (;;) {
-    // generation_ is published (release) after job_ is set, so an acquire load that sees a
-    // new generation also sees its job.
     auto has_work = [&] {
       return stop_.load(std::memory_order_acquire) ||
              generation_.load(std::memory_order_acquire) != seen;
@@ -64,8 +62,12 @@ void ThreadPool::WorkerLoop(int index) {
     }
     if (stop_.load(std::memory_order_acquire)) return;
     seen = generation_.load(std::memory_order_acquire);
-    (*job_)(index);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    active_.fetch_add(1, std::memory_order_seq_cst);
+    if (open_.load(std::memory_order_seq_cst) == seen) {
+      (*job_.load(std::memory_order_acquire))(index);
+      finished_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    if (active_.fetch_sub(1, std::memory_order_seq_cst) == 1) {
       // Taking mu_ orders this notify after a waiter's predicate check: no lost wake-up.
       std::lock_guard<std::mutex> lock(mu_);
       done_cv_.notify_one();
@@ -73,25 +75,36 @@ void ThreadPool::WorkerLoop(int index) {
   }
 }
 
+void ThreadPool::Run(const std::function<void(int)>& job, bool every_thread) {
+  std::lock_guard<std::mutex> run_lock(run_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_.store(&job, std::memory_order_release);
+    finished_.store(0, std::memory_order_relaxed);
+    const uint64_t generation = generation_.load(std::memory_order_relaxed) + 1;
+    open_.store(generation, std::memory_order_seq_cst);
+    generation_.store(generation, std::memory_order_seq_cst);
+  }
+  work_cv_.notify_all();  // no system call while every worker is still spinning
+  job(0);
+  const int workers = num_threads_ - 1;
+  auto wait = [&](auto done) {
+    if (!SpinUntil(done)) {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_cv_.wait(lock, done);
+    }
+  };
+  if (every_thread) wait([&] { return finished_.load(std::memory_order_acquire) == workers; });
+  open_.store(0, std::memory_order_seq_cst);
+  wait([&] { return active_.load(std::memory_order_seq_cst) == 0; });
+}
+
 void ThreadPool::RunOnAll(const std::function<void(int)>& fn) {
   if (num_threads_ == 1) {
     fn(0);
     return;
   }
-  std::lock_guard<std::mutex> run_lock(run_mu_);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    job_ = &fn;
-    pending_.store(num_threads_ - 1, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
-  }
-  work_cv_.notify_all();
-  fn(0);
-  auto all_done = [&] { return pending_.load(std::memory_order_acquire) == 0; };
-  if (!SpinUntil(all_done)) {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, all_done);
-  }
+  Run(fn, /*every_thread=*/true);
 }
 
 void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn) {
@@ -107,6 +120,25 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int64_
     const int64_t end = n * (t + 1) / threads;
     if (begin < end) fn(begin, end, t);
   });
+}
+
+void ThreadPool::ParallelChunks(int64_t n, int64_t chunk,
+                                const std::function<void(int64_t, int64_t, int)>& fn) {
+  if (n <= 0) return;
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  if (chunks == 1 || num_threads_ == 1) {
+    fn(0, n, 0);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  Run(
+      [&](int t) {
+        for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+             c = next.fetch_add(1, std::memory_order_relaxed))
+          fn(c * chunk, std::min(n, (c + 1) * chunk), t);
+      },
+      /*every_thread=*/false);
 }
 
 }  // namespace moe

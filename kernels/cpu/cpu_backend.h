@@ -70,7 +70,7 @@ class CpuBackend final : public Backend {
 
   // Packs rows of x in `format`'s canonical order into `buffer`; returns the row stride.
   int64_t PackRows(ConstMatrixView x, WeightFormat format, Precision p, cpu::AlignedBuffer* buffer);
-  // Splits weight rows [0, n) over the pool in kernel-friendly blocks.
+  // Weight rows [0, n) in kernel-friendly blocks, each taken by the first free pool thread.
   void ForRowBlocks(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn);
 
   const cpu::DotKernels* kernels_;
