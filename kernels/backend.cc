@@ -90,11 +90,15 @@ absl::Status Backend::GluActivation(ConstMatrixView g, ConstMatrixView u,
   return DoGluActivation(g, u, act, out, p);
 }
 
-absl::Status Backend::ExpertMlp(ConstMatrixView x, const ExpertAssignments& asg,
+absl::Status Backend::ExpertMlp(ActivationView x, const ExpertAssignments& asg,
                                 absl::Span<const MlpWeights> experts, const ActivationParams& act,
                                 PartialView y, Precision p) {
-  RETURN_IF_ERROR(CheckSameShape("ExpertMlp", x, y));
-  RETURN_IF_ERROR(CheckView("ExpertMlp", "x", x));
+  const View2D<const uint8_t> x_shape(static_cast<const uint8_t*>(x.data), x.rows, x.cols,
+                                      x.stride);  // the checks read its shape only
+  RETURN_IF_ERROR(CheckSameShape("ExpertMlp", x_shape, y));
+  RETURN_IF_ERROR(CheckView("ExpertMlp", "x", x_shape));
+  if (x.dtype == Precision::kBF16 && p != Precision::kBF16)
+    return ShapeError("ExpertMlp", "bf16 rows in an fp32 step");
   RETURN_IF_ERROR(CheckView("ExpertMlp", "y", y));
   const int E = asg.num_experts();
   if (static_cast<size_t>(E) != experts.size())

@@ -2,8 +2,9 @@
 //
 // Activations are fp32 matrices in the backend's memory. In Precision::kBF16 every op rounds
 // its result to bf16 at the points docs/DESIGN.md "Numerics" names (values stay in fp32 storage,
-// so they are exact bf16 numbers); in kFP32 nothing is rounded. GEMMs read bf16 operands
-// (kBF16) or fp32 operands (kFP32) and always accumulate in fp32.
+// so they are exact bf16 numbers); in kFP32 nothing is rounded. The one exception is the routed
+// experts' input (ActivationView): a rank's received rows, bf16 storage in a bf16 step. GEMMs
+// read bf16 operands (kBF16) or fp32 operands (kFP32) and always accumulate in fp32.
 //
 // Backends: CPU (kernels/cpu) and CUDA (kernels/cuda). Both are tested op by op against the
 // plain fp64 reference loops of tests/kernels/test_weights.h.
@@ -47,6 +48,29 @@ using ConstMatrixView = View2D<const float>;
 // (to 2^-53); it is rounded once, straight to bf16 (or fp32), by RoundPartials.
 using PartialView = View2D<double>;
 using ConstPartialView = View2D<const double>;
+
+// Activation rows in a backend's memory in their storage dtype: bf16 bits or fp32. The routed
+// experts take their input as one, so a bf16 step's rows stay bf16 from the wire into the
+// experts' GEMMs (no fp32 copy on the rank). An fp32 view (ConstMatrixView) converts to one.
+struct ActivationView {
+  const void* data = nullptr;
+  Precision dtype = Precision::kFP32;      // the storage: kBF16 = bf16 bits, kFP32 = fp32
+  int64_t rows = 0, cols = 0, stride = 0;  // stride in elements
+  ActivationView() = default;
+  ActivationView(const void* d, Precision t, int64_t r, int64_t c, int64_t s)
+      : data(d), dtype(t), rows(r), cols(c), stride(s) {}
+  ActivationView(ConstMatrixView m)  // NOLINT: fp32 activations are activation rows
+      : ActivationView(m.data, Precision::kFP32, m.rows, m.cols, m.stride) {}
+  ActivationView(MatrixView m) : ActivationView(ConstMatrixView(m)) {}  // NOLINT: as above
+  // Host rows, in place (their dtype is the storage).
+  explicit ActivationView(const ActivationRows& host)
+      : ActivationView(host.data(), host.precision(), host.rows(), host.cols(), host.cols()) {}
+  size_t element_bytes() const { return dtype == Precision::kBF16 ? 2 : 4; }
+  const uint16_t* Bf16Row(int64_t r) const {
+    return static_cast<const uint16_t*>(data) + r * stride;
+  }
+  const float* Fp32Row(int64_t r) const { return static_cast<const float*>(data) + r * stride; }
+};
 
 // Router hyper-parameters (docs/DESIGN.md "Numerics" step 1).
 struct RoutingParams {
@@ -119,8 +143,9 @@ class Backend {
   // Grouped routed experts: for every assignment i of local expert e,
   //   o_i = round(round(act(round(x[rows[i]] W1_e^T), round(x[rows[i]] W3_e^T))) W2_e^T)
   // and y[r] = sum over the assignments of row r, in ascending expert order, of
-  // fp32(o_i) * gate_i, accumulated in fp64. Rows with no assignment get 0. x: [M, in].
-  absl::Status ExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+  // fp32(o_i) * gate_i, accumulated in fp64. Rows with no assignment get 0. x: [M, in], bf16
+  // or fp32 storage (bf16 storage only in a kBF16 step: an fp32 step's rows are not bf16).
+  absl::Status ExpertMlp(ActivationView x, const ExpertAssignments& assignments,
                          absl::Span<const MlpWeights> experts, const ActivationParams& act,
                          PartialView y, Precision p);
 
@@ -167,7 +192,7 @@ class Backend {
   virtual absl::Status DoGluActivation(ConstMatrixView g, ConstMatrixView u,
                                        const ActivationParams& act, MatrixView out,
                                        Precision p) = 0;
-  virtual absl::Status DoExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+  virtual absl::Status DoExpertMlp(ActivationView x, const ExpertAssignments& assignments,
                                    absl::Span<const MlpWeights> experts,
                                    const ActivationParams& act, PartialView y, Precision p) = 0;
   virtual absl::Status DoRmsNorm(ConstMatrixView x, const WeightVector& weight, float eps,

@@ -168,7 +168,7 @@ absl::StatusOr<std::unique_ptr<ExpertShard>> ExpertShard::Create(const MoeConfig
   return shard;
 }
 
-absl::Status ExpertShard::Compute(ConstMatrixView x, const RowAssignments& rows, Precision p,
+absl::Status ExpertShard::Compute(ActivationView x, const RowAssignments& rows, Precision p,
                                   PartialView partial) {
   if (rows.num_rows() != x.rows)
     return absl::InvalidArgumentError(

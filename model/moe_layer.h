@@ -69,9 +69,9 @@ class ExpertShard {
   const std::vector<int>& expert_ids() const { return expert_ids_; }
   int64_t weight_bytes() const { return weight_bytes_; }
 
-  // x: [M, expert_input_size] received rows; rows: each row's local experts and gates.
-  // partial: [M, expert_input_size] fp64 sums over the row's experts.
-  absl::Status Compute(ConstMatrixView x, const RowAssignments& rows, Precision p,
+  // x: [M, expert_input_size] received rows (bf16 or fp32 storage); rows: each row's local
+  // experts and gates. partial: [M, expert_input_size] fp64 sums over the row's experts.
+  absl::Status Compute(ActivationView x, const RowAssignments& rows, Precision p,
                        PartialView partial);
 
  private:

@@ -270,14 +270,14 @@ absl::StatusOr<ReceivedStep> GrpcRankTransport::Receive() {
   ReceivedStep out;
   out.wire_bytes = static_cast<int64_t>(message.ByteSizeLong());
   RETURN_IF_ERROR(DecodeStepRequest(step, &host_rows_, &out));
-  if (backend_->space() == MemorySpace::kDevice) {
-    const int64_t rows = out.rows.rows, width = out.rows.cols;
-    const size_t bytes = rows * width * sizeof(float);
+  if (backend_->space() == MemorySpace::kDevice) {  // uploaded in the wire's dtype
+    const size_t bytes = host_rows_.bytes();
     if (rows_ == nullptr || rows_->size() < bytes) {
       ASSIGN_OR_RETURN(rows_, backend_->Allocate(bytes));
     }
     RETURN_IF_ERROR(backend_->CopyToBackend(rows_->data(), host_rows_.data(), bytes));
-    out.rows = ConstMatrixView(static_cast<const float*>(rows_->data()), rows, width, width);
+    out.rows = ActivationView(rows_->data(), host_rows_.precision(), host_rows_.rows(),
+                              host_rows_.cols(), host_rows_.cols());
   }
   return out;
 }

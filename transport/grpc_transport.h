@@ -131,7 +131,7 @@ class GrpcRankTransport final : public RankTransport {
   std::deque<moe::v1::internal::GatewayToRank> inbox_;  // steps read ahead by reader_
   absl::Status stream_end_;                             // set (not OK) once the stream ended
   std::unique_ptr<DeviceBuffer> rows_;
-  std::vector<float> host_rows_;
+  ActivationRows host_rows_;  // the current step's rows, in the wire's dtype
   std::vector<double> host_partial_;
   std::unique_ptr<StreamLiveness> liveness_;  // its threads use the members above
   std::thread reader_;

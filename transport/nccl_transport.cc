@@ -629,7 +629,7 @@ struct NcclRankTransport::State {
   std::mutex mu;
   std::atomic<bool> cancel{false};
 
-  cuda::DeviceMemory header, meta, rows_wire, rows_f32, reply, partial;
+  cuda::DeviceMemory header, meta, rows_wire, reply, partial;
   cuda::PinnedMemory host_header, host_meta, host_reply;
 
   bool awaiting_reply = false;
@@ -730,7 +730,6 @@ absl::StatusOr<ReceivedStep> NcclRankTransport::Receive() {
       RETURN_IF_ERROR(st.meta.Ensure(meta_bytes));
       RETURN_IF_ERROR(st.host_meta.Ensure(meta_bytes));
       RETURN_IF_ERROR(st.rows_wire.Ensure(row_bytes));
-      if (bf16) RETURN_IF_ERROR(st.rows_f32.Ensure(static_cast<size_t>(n * width) * 4));
       NCCL_RETURN_IF_ERROR(ncclGroupStart(), st.comm);
       NCCL_RETURN_IF_ERROR(ncclRecv(st.meta.get(), meta_bytes, ncclUint8, st.gateway(),
                                     st.comm.get(), st.comm.stream()),
@@ -744,13 +743,6 @@ absl::StatusOr<ReceivedStep> NcclRankTransport::Receive() {
       if (!s.ok()) return as_unavailable(s);
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.host_meta.get(), st.meta.get(), meta_bytes,
                                            cudaMemcpyDeviceToHost, st.comm.stream()));
-      float* rows = reinterpret_cast<float*>(st.rows_wire.get());
-      if (bf16) {
-        rows = reinterpret_cast<float*>(st.rows_f32.get());
-        CUDA_RETURN_IF_ERROR(
-            cuda::LaunchUnpackBf16(reinterpret_cast<const uint16_t*>(st.rows_wire.get()), n, width,
-                                   rows, width, st.comm.stream()));
-      }
       s = st.comm.WaitStream(deadline, &st.cancel);
       if (!s.ok()) return as_unavailable(s);
 
@@ -759,7 +751,7 @@ absl::StatusOr<ReceivedStep> NcclRankTransport::Receive() {
       step.layer = h.layer;
       step.placement_generation = h.placement_generation;
       step.precision = bf16 ? Precision::kBF16 : Precision::kFP32;
-      step.rows = ConstMatrixView(rows, n, width, width);
+      step.rows = ActivationView(st.rows_wire.get(), step.precision, n, width, width);  // as sent
       step.wire_bytes = static_cast<int64_t>(sizeof(StepHeader) + meta_bytes + row_bytes);
       const uint8_t* m = st.host_meta.get();
       step.assignments.offsets.resize(n + 1);

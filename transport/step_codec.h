@@ -13,14 +13,13 @@
 
 namespace moe {
 
-// Encodes rows for the wire (bf16 or fp32 little-endian) and back.
+// Encodes a backend's rows for the wire: bf16 or fp32, little-endian.
 void EncodeRows(ConstMatrixView rows, Precision p, std::string* out);
-absl::Status DecodeRows(const std::string& bytes, int64_t num_rows, int64_t width, Precision p,
-                        MatrixView out);
 
-// Decodes `step` into `out` (all but wire_bytes); its rows land in `host_rows`, which `out.rows`
-// then views. InvalidArgument for a bad shape or a byte count that does not match it.
+// Decodes `step` into `out` (all but wire_bytes); its rows land in `host_rows` in the wire's
+// dtype (copied, not converted), which `out.rows` then views. InvalidArgument for a bad shape or
+// a byte count that does not match it.
 absl::Status DecodeStepRequest(const moe::v1::internal::StepRequest& step,
-                               std::vector<float>* host_rows, ReceivedStep* out);
+                               ActivationRows* host_rows, ReceivedStep* out);
 
 }  // namespace moe

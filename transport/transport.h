@@ -127,13 +127,14 @@ class GatewayTransport {
 };
 
 // A step as a rank receives it; `rows` lives in the rank backend's memory and stays valid
-// until the next Receive.
+// until the next Receive. A bf16 step's rows are bf16 as they came off the wire (gRPC, NCCL);
+// loopback hands over the gateway's fp32 rows in place.
 struct ReceivedStep {
   uint64_t step_id = 0;
   int layer = 0;
   Precision precision = Precision::kBF16;
   uint64_t placement_generation = 0;
-  ConstMatrixView rows;
+  ActivationView rows;
   RowAssignments assignments;
   int64_t wire_bytes = 0;  // what the transport took off the wire for this step
 };

@@ -106,14 +106,24 @@ absl::StatusOr<WeightMatrix> CpuBackend::DoPrepareWeight(const WeightMatrix& hos
 
 absl::StatusOr<WeightVector> CpuBackend::DoPrepareVector(const WeightVector& host) { return host; }
 
-int64_t CpuBackend::PackRows(ConstMatrixView x, WeightFormat format, Precision p,
+int64_t CpuBackend::PackRows(const ActivationView& x, WeightFormat format, Precision p,
                              cpu::AlignedBuffer* buffer) {
   const int64_t stride = cpu::PaddedK(x.cols);
   const size_t elem = p == Precision::kBF16 ? 2 : 4;
   uint8_t* base = buffer->Reserve(x.rows * stride * elem);
   pool_.ParallelChunks(x.rows, RowsPerChunk(x.cols), [&](int64_t b, int64_t e, int) {
-    for (int64_t r = b; r < e; ++r)
-      kernels_->pack_row(x.Row(r), x.cols, format, p, base + r * stride * elem);
+    // bf16 rows are widened one at a time into an L1-sized row (exact) for the tier's pack
+    // kernel, which reads fp32: one set of vector pack kernels, and no fp32 copy of the rows.
+    std::vector<float> widened(x.dtype == Precision::kBF16 ? x.cols : 0);
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = x.Fp32Row(r);
+      if (x.dtype == Precision::kBF16) {
+        const uint16_t* bits = x.Bf16Row(r);
+        for (int64_t c = 0; c < x.cols; ++c) widened[c] = Bf16BitsToFloat(bits[c]);
+        row = widened.data();
+      }
+      kernels_->pack_row(row, x.cols, format, p, base + r * stride * elem);
+    }
   });
   return stride;
 }
@@ -203,7 +213,7 @@ absl::Status CpuBackend::DoGluActivation(ConstMatrixView g, ConstMatrixView u,
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::DoExpertMlp(ConstMatrixView x, const ExpertAssignments& asg,
+absl::Status CpuBackend::DoExpertMlp(ActivationView x, const ExpertAssignments& asg,
                                      absl::Span<const MlpWeights> experts,
                                      const ActivationParams& act, PartialView y, Precision p) {
   const int E = asg.num_experts();

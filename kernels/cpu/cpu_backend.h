@@ -51,7 +51,7 @@ class CpuBackend final : public Backend {
                                const RoutingParams& params, int32_t* ids, float* weights) override;
   absl::Status DoGluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
                                MatrixView out, Precision p) override;
-  absl::Status DoExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+  absl::Status DoExpertMlp(ActivationView x, const ExpertAssignments& assignments,
                            absl::Span<const MlpWeights> experts, const ActivationParams& act,
                            PartialView y, Precision p) override;
   absl::Status DoRmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,
@@ -69,7 +69,8 @@ class CpuBackend final : public Backend {
   absl::Status DoDownloadRows(ConstMatrixView y, ActivationRows* out) override;
 
   // Packs rows of x in `format`'s canonical order into `buffer`; returns the row stride.
-  int64_t PackRows(ConstMatrixView x, WeightFormat format, Precision p, cpu::AlignedBuffer* buffer);
+  int64_t PackRows(const ActivationView& x, WeightFormat format, Precision p,
+                   cpu::AlignedBuffer* buffer);
   // Weight rows [0, n) in kernel-friendly blocks, each taken by the first free pool thread.
   void ForRowBlocks(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn);
 

@@ -443,7 +443,7 @@ absl::Status CudaBackend::DoGluActivation(ConstMatrixView g, ConstMatrixView u,
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::DoExpertMlp(ConstMatrixView x, const ExpertAssignments& asg,
+absl::Status CudaBackend::DoExpertMlp(ActivationView x, const ExpertAssignments& asg,
                                       absl::Span<const MlpWeights> experts,
                                       const ActivationParams& act, PartialView y, Precision p) {
   const int E = asg.num_experts();
@@ -505,8 +505,12 @@ absl::Status CudaBackend::DoExpertMlp(ConstMatrixView x, const ExpertAssignments
 
   // 1. The gathered operand: row i is x[rows[i]] (expert-grouped order).
   ASSIGN_OR_RETURN(void* xg, im.Reserve(im.operand, static_cast<size_t>(A * in_cols) * esize));
-  CUDA_RETURN_IF_ERROR(cuda::LaunchPackOperand(x.data, x.stride, d_rows, A, in, xg, in_cols,
-                                               in_cols, b16, im.stream));
+  CUDA_RETURN_IF_ERROR(
+      x.dtype == Precision::kBF16
+          ? cuda::LaunchPackBf16Operand(static_cast<const uint16_t*>(x.data), x.stride, d_rows, A,
+                                        in, xg, in_cols, in_cols, b16, im.stream)
+          : cuda::LaunchPackOperand(static_cast<const float*>(x.data), x.stride, d_rows, A, in, xg,
+                                    in_cols, in_cols, b16, im.stream));
   // 2. gate | up: [A, 2 * hidden] raw fp32.
   ASSIGN_OR_RETURN(void* gu_raw, im.Reserve(im.gate_up, static_cast<size_t>(A * 2 * hidden) * 4));
   auto* gu = static_cast<float*>(gu_raw);

@@ -101,7 +101,7 @@ class CudaBackend final : public Backend {
                                const RoutingParams& params, int32_t* ids, float* weights) override;
   absl::Status DoGluActivation(ConstMatrixView g, ConstMatrixView u, const ActivationParams& act,
                                MatrixView out, Precision p) override;
-  absl::Status DoExpertMlp(ConstMatrixView x, const ExpertAssignments& assignments,
+  absl::Status DoExpertMlp(ActivationView x, const ExpertAssignments& assignments,
                            absl::Span<const MlpWeights> experts, const ActivationParams& act,
                            PartialView y, Precision p) override;
   absl::Status DoRmsNorm(ConstMatrixView x, const WeightVector& weight, float eps, MatrixView y,

@@ -35,9 +35,10 @@ cudaError_t LaunchRoundPartials(const double* y, int64_t sy, float* out, int64_t
 cudaError_t LaunchPackOperand(const float* x, int64_t x_stride, const int32_t* rows, int64_t m,
                               int64_t cols, void* out, int64_t out_stride, int64_t out_cols,
                               bool bf16, cudaStream_t s);
-// out[i, :] = fp32(in[i, :]) for bf16 bits `in` [m, cols] (contiguous).
-cudaError_t LaunchUnpackBf16(const uint16_t* in, int64_t m, int64_t cols, float* out,
-                             int64_t out_stride, cudaStream_t s);
+// The same from bf16 bits x (a bf16 step's rows as they came off the wire).
+cudaError_t LaunchPackBf16Operand(const uint16_t* x, int64_t x_stride, const int32_t* rows,
+                                  int64_t m, int64_t cols, void* out, int64_t out_stride,
+                                  int64_t out_cols, bool bf16, cudaStream_t s);
 
 // ---- weight decoding (dequantize.cu) --------------------------------------------------------
 // Exact values of a stored weight [n, k] into out [n, out_cols] (bf16 bits or fp32),

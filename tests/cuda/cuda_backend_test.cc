@@ -489,6 +489,20 @@ TEST_F(CudaBackendTest, ExpertMlpMatchesCpuAndIsDeterministic) {
                     ->ExpertMlp(dx.View(M, c.in, c.in), asg, dev, act, dy2.View(M, c.in, c.in), p)
                     .ok());
             const auto got = dy.ToHost(), again = dy2.ToHost();
+            if (p == Precision::kBF16) {  // rows in bf16 storage, as a rank receives them
+              std::vector<uint16_t> bits(x.size());
+              for (size_t i = 0; i < x.size(); ++i) bits[i] = FloatToBf16Bits(x[i]);
+              DeviceArray<uint16_t> dbits(backend, bits);
+              DeviceArray<double> dy3(backend, nan);
+              ASSERT_TRUE(
+                  backend
+                      ->ExpertMlp(ActivationView(dbits.data(), Precision::kBF16, M, c.in, c.in),
+                                  asg, dev, act, dy3.View(M, c.in, c.in), p)
+                      .ok());
+              const auto from_bf16 = dy3.ToHost();
+              for (size_t i = 0; i < got.size(); ++i)
+                ASSERT_TRUE(SameBits(from_bf16[i], got[i])) << "bf16 rows differ at " << i;
+            }
             const std::string where = std::string(WeightFormatName(c.format)) + " " + variant +
                                       " " + Name(p) + " M=" + std::to_string(M) +
                                       (kind == Activation::kSiTU ? " situ" : " silu");

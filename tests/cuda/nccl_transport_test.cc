@@ -395,8 +395,14 @@ TEST_F(NcclTransportTest, ARankMarkedDownFailsTheStepInFlightAtOnce) {
       std::_Exit(0);
     }
     const int64_t n = step->rows.rows, width = step->rows.cols;
+    // The rows arrive as the gateway sent them: bf16 bits in a bf16 step, else fp32.
+    if (step->rows.dtype != step->precision) std::_Exit(17);
     std::vector<float> rows(n * width);
-    if (!(*backend)->CopyToHost(rows.data(), step->rows.data, rows.size() * 4).ok()) std::_Exit(15);
+    std::vector<uint16_t> bits(step->rows.dtype == Precision::kBF16 ? n * width : 0);
+    void* host = bits.empty() ? static_cast<void*>(rows.data()) : bits.data();
+    if (!(*backend)->CopyToHost(host, step->rows.data, n * width * step->rows.element_bytes()).ok())
+      std::_Exit(15);
+    for (size_t i = 0; i < bits.size(); ++i) rows[i] = Bf16BitsToFloat(bits[i]);
     const int64_t stride = step->step_id % 2 ? width + 3 : width;
     std::vector<double> partial(n * stride, -1.0);
     std::set<int32_t> experts;

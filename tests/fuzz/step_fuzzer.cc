@@ -17,7 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const QuietProtobuf quiet;
   moe::v1::internal::GatewayToRank message;
   if (!message.ParseFromArray(data, static_cast<int>(size)) || !message.has_step()) return 0;
-  std::vector<float> host_rows;
+  moe::ActivationRows host_rows;
   moe::ReceivedStep step;
   const absl::Status decoded = moe::DecodeStepRequest(message.step(), &host_rows, &step);
   if (!decoded.ok()) {
@@ -25,7 +25,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   FUZZ_CHECK(step.rows.rows >= 0 && step.rows.cols > 0);
-  FUZZ_CHECK(static_cast<int64_t>(host_rows.size()) >= step.rows.rows * step.rows.cols);
+  FUZZ_CHECK(host_rows.rows() == step.rows.rows && host_rows.cols() == step.rows.cols);
+  FUZZ_CHECK(host_rows.precision() == step.precision && step.rows.dtype == step.precision);
   // As ExpertShard::Compute: one assignment per row, then the experts' CSR.
   if (step.assignments.num_rows() != step.rows.rows) return 0;
   const absl::StatusOr<moe::ExpertAssignments> grouped =

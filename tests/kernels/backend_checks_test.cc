@@ -47,7 +47,7 @@ class RecordingBackend final : public Backend {
                                MatrixView, Precision) override {
     return Called();
   }
-  absl::Status DoExpertMlp(ConstMatrixView, const ExpertAssignments&, absl::Span<const MlpWeights>,
+  absl::Status DoExpertMlp(ActivationView, const ExpertAssignments&, absl::Span<const MlpWeights>,
                            const ActivationParams&, PartialView, Precision) override {
     return Called();
   }
@@ -175,6 +175,18 @@ void CheckEveryOp(Backend& backend, const int* calls) {
                                    PartialView(partial.data(), 4, 8, 8), Precision::kBF16),
                  "ExpertMlp: expert 0 shapes do not match input width 8");
   experts[0].down.rows = 8;
+  // An fp32 step's rows are not bf16 values: bf16 storage would have rounded them.
+  const std::vector<uint16_t> bf16_rows(4 * 8, 0x3f80);
+  ExpectRejected(backend.ExpertMlp(ActivationView(bf16_rows.data(), Precision::kBF16, 4, 8, 8),
+                                   assignments, experts, ActivationParams{},
+                                   PartialView(partial.data(), 4, 8, 8), Precision::kFP32),
+                 "ExpertMlp: bf16 rows in an fp32 step");
+  EXPECT_TRUE(backend
+                  .ExpertMlp(ActivationView(bf16_rows.data(), Precision::kBF16, 4, 8, 8),
+                             assignments, experts, ActivationParams{},
+                             PartialView(partial.data(), 4, 8, 8), Precision::kBF16)
+                  .ok());
+  ++good;
   EXPECT_TRUE(backend
                   .ExpertMlp(x, assignments, experts, ActivationParams{},
                              PartialView(partial.data(), 4, 8, 8), Precision::kBF16)

@@ -259,7 +259,9 @@ TEST_F(CpuBackendTest, ExpertMlpMatchesReference) {
 // The whole grouped-expert op, every format and precision: every tier's kernels (dot, GLU,
 // packing) give the portable kernels' bits, so results never depend on the CPU; a tier with a
 // one-ulp bug in any of the three does not.
-std::vector<double> RunExpertMlp(CpuBackend& backend, WeightFormat f, Precision p) {
+// bf16_rows: the input in bf16 storage (a bf16 step's rows as a rank receives them).
+std::vector<double> RunExpertMlp(CpuBackend& backend, WeightFormat f, Precision p,
+                                 bool bf16_rows = false) {
   const int64_t in = 320, hidden = 200;  // hidden not a multiple of 64: partial units
   const int64_t h = f == WeightFormat::kMXFP4 ? 256 : hidden;  // MXFP4 needs multiples of 32
   std::vector<std::unique_ptr<RandomWeight>> owned;
@@ -281,11 +283,13 @@ std::vector<double> RunExpertMlp(CpuBackend& backend, WeightFormat f, Precision 
     asg.offsets.push_back(static_cast<int32_t>(asg.rows.size()));
   }
   auto x = RandomActivations(M, in, 5, p == Precision::kBF16);
+  const ActivationRows x_bf16 = ActivationRows::FromFloats(Precision::kBF16, x.data(), M, in);
+  const ActivationView x_view =
+      bf16_rows ? ActivationView(x_bf16) : ActivationView(CView(x, M, in));
   std::vector<double> y(M * in);
   ActivationParams act{Activation::kSiTU, 4.0f, 25.0f};
   EXPECT_TRUE(
-      backend.ExpertMlp(CView(x, M, in), asg, experts, act, PartialView(y.data(), M, in, in), p)
-          .ok());
+      backend.ExpertMlp(x_view, asg, experts, act, PartialView(y.data(), M, in, in), p).ok());
   return y;
 }
 
@@ -301,6 +305,22 @@ TEST_F(CpuBackendTest, ExpertMlpIsBitIdenticalAcrossKernelTiers) {
             << tier->name << " " << WeightFormatName(f) << " " << PrecisionName(p);
   }
   if (tiers == 0) GTEST_SKIP() << "this host runs no vector tier: only the portable kernels";
+}
+
+// A bf16 step's rows arrive in bf16 storage and go into the GEMMs without an fp32 copy: the same
+// bits as the same values in fp32 storage, on every tier and format.
+TEST_F(CpuBackendTest, ExpertMlpFromBf16RowsMatchesFp32Rows) {
+  for (const cpu::CpuTier& tier : cpu::CpuTiers()) {
+    if (!tier.host_supports()) continue;
+    CpuBackend backend(CpuBackendOptions{2, tier.name});
+    for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kMXFP4, WeightFormat::kFP8Block128}) {
+      const std::vector<double> from_fp32 = RunExpertMlp(backend, f, Precision::kBF16);
+      EXPECT_EQ(RunExpertMlp(backend, f, Precision::kBF16, /*bf16_rows=*/true), from_fp32)
+          << tier.name << " " << WeightFormatName(f);
+      EXPECT_LT(std::count(from_fp32.begin(), from_fp32.end(), 0.0),
+                static_cast<std::ptrdiff_t>(from_fp32.size()) / 2);
+    }
+  }
 }
 
 // An fp32 ulp in a dot product or an activation shows in fp32 mode (bf16 mode mostly rounds it

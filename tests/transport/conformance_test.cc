@@ -76,7 +76,7 @@ class Ranks {
   RankBehavior& behavior(int rank) { return behavior_[rank]; }
 
   // Rank `rank`'s answer to rows of `layer`, as its process would compute it.
-  absl::Status Compute(int layer, int rank, ConstMatrixView rows, const RowAssignments& a,
+  absl::Status Compute(int layer, int rank, ActivationView rows, const RowAssignments& a,
                        Precision p, PartialView partial) {
     RankBehavior& b = behavior_[rank];
     if (b.delay_ms > 0) absl::SleepFor(absl::Milliseconds(b.delay_ms.load()));

@@ -31,7 +31,7 @@ StepRequest Step(int32_t rows, int32_t width, bool bf16) {
 
 TEST(StepCodecTest, DecodesRowsAndAssignments) {
   for (bool bf16 : {true, false}) {
-    std::vector<float> host;
+    ActivationRows host;
     ReceivedStep out;
     ASSERT_TRUE(DecodeStepRequest(Step(3, 5, bf16), &host, &out).ok());
     EXPECT_EQ(out.step_id, 7u);
@@ -39,15 +39,20 @@ TEST(StepCodecTest, DecodesRowsAndAssignments) {
     EXPECT_EQ(out.precision, bf16 ? Precision::kBF16 : Precision::kFP32);
     ASSERT_EQ(out.rows.rows, 3);
     ASSERT_EQ(out.rows.cols, 5);
+    // The rows stay in the wire's dtype (bf16 bits in a bf16 step: no fp32 copy).
     EXPECT_EQ(out.rows.data, host.data());
-    EXPECT_EQ(out.rows.Row(2)[4], 0.25f * (14 % 11) - 1);  // exact in bf16 too
+    EXPECT_EQ(out.rows.dtype, out.precision);
+    EXPECT_EQ(host.precision(), out.precision);
+    EXPECT_EQ(host.Value(2 * 5 + 4), 0.25f * (14 % 11) - 1);  // exact in bf16 too
+    const float last = bf16 ? Bf16BitsToFloat(out.rows.Bf16Row(2)[4]) : out.rows.Fp32Row(2)[4];
+    EXPECT_EQ(last, 0.25f * (14 % 11) - 1);
     EXPECT_EQ(out.assignments.offsets, (std::vector<int32_t>{0, 1, 2, 3}));
     EXPECT_EQ(out.assignments.local_experts, (std::vector<int32_t>{0, 1, 2}));
   }
 }
 
 TEST(StepCodecTest, BadShapeOrByteCountIsRefused) {
-  std::vector<float> host;
+  ActivationRows host;
   ReceivedStep out;
   StepRequest step = Step(2, 4, true);
   step.mutable_rows()->pop_back();
@@ -63,7 +68,7 @@ TEST(StepCodecTest, HugeShapeIsRefusedBeforeAllocating) {
   StepRequest step = Step(1, 4, true);
   step.set_num_rows(2147483647);
   step.set_width(2147483647);
-  std::vector<float> host;
+  ActivationRows host;
   ReceivedStep out;
   const absl::Status s = DecodeStepRequest(step, &host, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
