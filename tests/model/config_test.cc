@@ -785,42 +785,36 @@ TEST(ParseMoeConfigErrorTest, NonPositiveSizes) {
   }
 }
 
-TEST(ParseMoeConfigErrorTest, TopKExceedsNumExperts) {
-  Json j = K3();
-  j["text_config"]["num_experts"] = 16;
-  j["text_config"]["num_experts_per_token"] = 20;
-  EXPECT_EQ(MessageOf(j),
-            "config.json: text_config.num_experts_per_token (20) exceeds num_experts (16)");
-  j = K2();
-  j["num_experts_per_tok"] = 385;
-  EXPECT_TRUE(RejectedNaming(j, "num_experts_per_tok (385) exceeds n_routed_experts (384)"));
-}
-
-TEST(ParseMoeConfigErrorTest, NumExpertsNotDivisibleByGroups) {
-  Json j = DeepSeekV3();
-  j["n_group"] = 7;
-  EXPECT_TRUE(RejectedNaming(j, "n_routed_experts (256) is not divisible by n_group (7)"));
-  j = KimiLinear();
-  j["num_expert_group"] = 3;
-  EXPECT_TRUE(RejectedNaming(j, "num_experts (256) is not divisible by num_expert_group (3)"));
-}
-
-TEST(ParseMoeConfigErrorTest, TopkGroupExceedsGroups) {
-  Json j = DeepSeekV3();
-  j["topk_group"] = 9;
-  EXPECT_TRUE(RejectedNaming(j, "topk_group (9) exceeds n_group (8)"));
-  j["topk_group"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "topk_group (0) must be positive"));
-  j = DeepSeekV3();
-  j["n_group"] = 0;
-  EXPECT_TRUE(RejectedNaming(j, "n_group (0) must be positive"));
-}
-
-TEST(ParseMoeConfigErrorTest, TopKExceedsTheGroupLimit) {
-  Json j = DeepSeekV3();
-  j["topk_group"] = 1;  // 32 experts selectable
-  j["num_experts_per_tok"] = 33;
-  EXPECT_TRUE(RejectedNaming(j, "num_experts_per_tok (33) exceeds the 32 experts in topk_group"));
+// Fields that are valid alone but not together.
+TEST(ParseMoeConfigErrorTest, InconsistentFields) {
+  struct Case {
+    Json base;
+    std::vector<std::pair<const char*, Json>> edits;  // JSON pointer, value
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {K3(),
+       {{"/text_config/num_experts", 16}, {"/text_config/num_experts_per_token", 20}},
+       "config.json: text_config.num_experts_per_token (20) exceeds num_experts (16)"},
+      {K2(),
+       {{"/num_experts_per_tok", 385}},
+       "num_experts_per_tok (385) exceeds n_routed_experts (384)"},
+      {DeepSeekV3(), {{"/n_group", 7}}, "n_routed_experts (256) is not divisible by n_group (7)"},
+      {KimiLinear(),
+       {{"/num_expert_group", 3}},
+       "num_experts (256) is not divisible by num_expert_group (3)"},
+      {DeepSeekV3(), {{"/topk_group", 9}}, "topk_group (9) exceeds n_group (8)"},
+      {DeepSeekV3(), {{"/topk_group", 0}}, "topk_group (0) must be positive"},
+      {DeepSeekV3(), {{"/n_group", 0}}, "n_group (0) must be positive"},
+      {DeepSeekV3(),  // 32 experts selectable
+       {{"/topk_group", 1}, {"/num_experts_per_tok", 33}},
+       "num_experts_per_tok (33) exceeds the 32 experts in topk_group"},
+  };
+  for (const Case& c : cases) {
+    Json j = c.base;
+    for (const auto& [field, value] : c.edits) j[Json::json_pointer(field)] = value;
+    EXPECT_TRUE(RejectedNaming(j, c.message)) << c.message;
+  }
 }
 
 TEST(ParseMoeConfigErrorTest, ScoringFunction) {

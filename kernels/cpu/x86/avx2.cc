@@ -48,6 +48,7 @@
 namespace moe::cpu {
 namespace {
 
+using x86::DispatchTile;
 using x86::PrefetchCursor;
 using x86::PrefetchStream;
 using x86::WithCount;
