@@ -28,12 +28,12 @@ absl::StatusOr<NcclRankSession> CreateRankImpl(const NcclRankSetup& setup) {
   options.num_ranks = setup.num_ranks;
   options.unique_id = setup.unique_id;
   options.backend = static_cast<CudaBackend*>(setup.backend);
-  auto transport = NcclRankTransport::Create(options);
-  if (!transport.ok()) return transport.status();
-  NcclRankTransport* raw = transport->get();
+  ASSIGN_OR_RETURN(std::unique_ptr<NcclRankTransport> transport,
+                   NcclRankTransport::Create(options));
+  NcclRankTransport* raw = transport.get();
   NcclRankSession session;
   session.cancel = [raw] { raw->Cancel(); };
-  session.transport = std::move(*transport);
+  session.transport = std::move(transport);
   return session;
 }
 

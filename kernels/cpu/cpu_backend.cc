@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 #include "core/status.h"
 #include "kernels/cpu/canonical.h"
 #include "kernels/cpu/tiers.h"
@@ -65,7 +66,7 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options)
     : CpuBackend(options, [&] {
         auto kernels = ResolveKernels(options);
         if (!kernels.ok()) {
-          std::fprintf(stderr, "CpuBackend: %s\n", kernels.status().ToString().c_str());
+          LogLine("CpuBackend: %s", kernels.status().ToString());
           std::abort();
         }
         return *kernels;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/log.h"
 
 namespace moe::cpu {
 namespace {
@@ -53,10 +54,10 @@ absl::StatusOr<const CpuTier*> SelectCpuTier(absl::string_view request) {
       if (&tier == &kTiers[std::size(kTiers) - 1] && std::size(kTiers) > 1) {
         static std::once_flag warned;
         std::call_once(warned, [] {
-          std::fprintf(stderr,
-                       "warning: this CPU has none of the vector kernel tiers (the least is %s, "
-                       "%s); using the portable kernels, which are 10-100x slower\n",
-                       kTiers[std::size(kTiers) - 2].name, kTiers[std::size(kTiers) - 2].features);
+          LogLine(
+              "warning: this CPU has none of the vector kernel tiers (the least is %s, %s); "
+              "using the portable kernels, which are 10-100x slower",
+              kTiers[std::size(kTiers) - 2].name, kTiers[std::size(kTiers) - 2].features);
         });
       }
       return &tier;

@@ -77,10 +77,9 @@ class ClusterControl::Service final
   grpc::Status Register(const RegisterRequest& request, int requested_rank, const std::string& peer,
                         RegisterResponse* response) {
     if (request.requested_rank() != requested_rank)
-      return grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
+      return ToGrpcStatus(absl::InvalidArgumentError(
           absl::StrCat("requested_rank ", request.requested_rank(), " differs from ", kRankIdKey,
-                       " ", requested_rank, ", which the proof covers"));
+                       " ", requested_rank, ", which the proof covers")));
     auto rank = control_->ClaimRank(requested_rank);
     if (!rank.ok()) return ToGrpcStatus(rank.status());
     RankRecord record;

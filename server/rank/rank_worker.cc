@@ -364,27 +364,26 @@ absl::Status RankWorker::Session::ServeSteps(RankTransport& transport) {
   Backend* backend = worker_->backend_.get();
   RankStepObserver* observer = worker_->observer_;
   for (;;) {
-    auto step = transport.Receive();
-    if (!step.ok()) return step.status();
+    ASSIGN_OR_RETURN(ReceivedStep step, transport.Receive());
     // Held to the end of the step: a KeepShards meanwhile drops the generation, not this shard.
     const std::shared_ptr<ExpertShard> shard =
-        worker_->FindShard(step->placement_generation, step->layer);
+        worker_->FindShard(step.placement_generation, step.layer);
     absl::StatusOr<ConstPartialView> result = absl::FailedPreconditionError(
-        absl::StrCat("layer ", step->layer, " of placement generation ", step->placement_generation,
+        absl::StrCat("layer ", step.layer, " of placement generation ", step.placement_generation,
                      " is not loaded here"));
-    std::set<int32_t> active(step->assignments.local_experts.begin(),
-                             step->assignments.local_experts.end());
+    std::set<int32_t> active(step.assignments.local_experts.begin(),
+                             step.assignments.local_experts.end());
     // The gateways' steps take turns in arrival order; a device also takes turns with loading.
     worker_->compute_turn_.Acquire();
     const absl::Time t0 = absl::Now();
     std::unique_lock<std::mutex> device_lock(worker_->device_mu_, std::defer_lock);
     if (backend->space() == MemorySpace::kDevice) device_lock.lock();
     if (shard != nullptr) {
-      auto partial = workspace_.Partial(0, step->rows.rows, step->rows.cols);
+      auto partial = workspace_.Partial(0, step.rows.rows, step.rows.cols);
       if (!partial.ok()) {
         result = partial.status();
       } else {
-        absl::Status s = shard->Compute(step->rows, step->assignments, step->precision, *partial);
+        absl::Status s = shard->Compute(step.rows, step.assignments, step.precision, *partial);
         if (s.ok() && options.after_compute) s = options.after_compute(*partial, backend);
         result = s.ok() ? absl::StatusOr<ConstPartialView>(ConstPartialView(*partial))
                         : absl::StatusOr<ConstPartialView>(s);
@@ -398,16 +397,16 @@ absl::Status RankWorker::Session::ServeSteps(RankTransport& transport) {
     stats.active_experts = static_cast<int>(active.size());
     if (observer != nullptr) {
       RankStepReport report;
-      report.layer = step->layer;
-      report.rows = step->rows.rows;
+      report.layer = step.layer;
+      report.rows = step.rows.rows;
       report.active_experts = stats.active_experts;
       report.compute = absl::Microseconds(stats.compute_us);
-      report.bytes_received = step->wire_bytes;
+      report.bytes_received = step.wire_bytes;
       // The reply's payload: one fp64 partial per row (the transport adds a few bytes of framing).
-      report.bytes_sent = step->rows.rows * step->rows.cols * static_cast<int64_t>(sizeof(double));
+      report.bytes_sent = step.rows.rows * step.rows.cols * static_cast<int64_t>(sizeof(double));
       observer->OnRankStep(report);
     }
-    RETURN_IF_ERROR(transport.Reply(step->step_id, result, stats));
+    RETURN_IF_ERROR(transport.Reply(step.step_id, result, stats));
   }
 }
 
