@@ -62,8 +62,8 @@ namespace moe {
 absl::StatusOr<std::string> NewNcclUniqueId();
 
 struct NcclGatewayOptions {
-  int num_ranks = 0;               // R expert ranks; the communicator has R + 1 members
-  std::string unique_id;           // NewNcclUniqueId()
+  int num_ranks = 0;      // R expert ranks; the communicator has R + 1 members
+  std::string unique_id;  // NewNcclUniqueId()
   // The gateway's: the rows are read from its device memory and the partials land in it; the
   // transport's stream waits for its stream's queued work before each step.
   CudaBackend* backend = nullptr;

@@ -117,12 +117,11 @@ int64_t CpuBackend::PackRows(const ActivationView& x, WeightFormat format, Preci
     // kernel, which reads fp32: one set of vector pack kernels, and no fp32 copy of the rows.
     std::vector<float> widened(x.dtype == Precision::kBF16 ? x.cols : 0);
     for (int64_t r = b; r < e; ++r) {
-      const float* row = x.Fp32Row(r);
       if (x.dtype == Precision::kBF16) {
         const uint16_t* bits = x.Bf16Row(r);
         for (int64_t c = 0; c < x.cols; ++c) widened[c] = Bf16BitsToFloat(bits[c]);
-        row = widened.data();
       }
+      const float* row = x.dtype == Precision::kBF16 ? widened.data() : x.Fp32Row(r);
       kernels_->pack_row(row, x.cols, format, p, base + r * stride * elem);
     }
   });
@@ -175,8 +174,8 @@ absl::Status CpuBackend::DoSelectExperts(ConstMatrixView logits, const float* bi
   const bool renormalize = params.renormalize && k > 1;
   std::lock_guard<std::mutex> lock(mu_);
   // Per token: E sigmoids and a partial sort, counted as 8 elements' work per expert.
-  pool_.ParallelChunks(logits.rows, RowsPerChunk(8 * int64_t{E}), [&](int64_t b, int64_t e_end,
-                                                                      int) {
+  const int64_t tokens_per_chunk = RowsPerChunk(8 * int64_t{E});
+  pool_.ParallelChunks(logits.rows, tokens_per_chunk, [&](int64_t b, int64_t e_end, int) {
     std::vector<float> score(E), biased(E);
     RouterScratch scratch(params);
     for (int64_t t = b; t < e_end; ++t) {
