@@ -168,7 +168,9 @@ class FakeMoeService(moe_pb2_grpc.MoeServiceServicer):
                 stream.outstanding -= 1
                 stream.order.append(response.request_id)
             yield response
-        stream.completed = True
+        # A cancel can also end the requests early (before the slow ones were read): then the
+        # loop above ends without its timeout, and only the context tells a cancel from a close.
+        stream.completed = context.is_active()
 
     def GetModelInfo(self, request, context):
         # A request limit large enough that its responses exceed gRPC's default 4 MiB.
