@@ -161,7 +161,9 @@ absl::Status StepEngine::GatherParts(const DispatchPlan& plan, MatrixView expert
     const int64_t m = static_cast<int64_t>(rd.token_rows.size());
     (*rank_rows)[r] = m;
     if (m == 0) continue;
-    ASSIGN_OR_RETURN(MatrixView rows, ws.Matrix(kRankRows + r, m, expert_input.cols));
+    // In the wire's dtype: a bf16 step's rows are bf16 from here into the rank's GEMMs.
+    ASSIGN_OR_RETURN(MutableActivationView rows,
+                     ws.Activations(kRankRows + r, dispatch->precision, m, expert_input.cols));
     RETURN_IF_ERROR(backend_->GatherRows(expert_input, rd.token_rows, rows));
     dispatch->parts.push_back({r, rows, &rd.assignments});
   }

@@ -135,8 +135,8 @@ class StepEngine {
                         std::vector<bool>* live) const;
   // A failed step: counted by the observer, `status` returned.
   absl::Status FailStep(StepStats& stats, absl::Time t0, absl::Status status);
-  // Each rank's rows of `plan` gathered from `expert_input` into the workspace, as `dispatch`'s
-  // parts; the row counts into `rank_rows`.
+  // Each rank's rows of `plan` gathered from `expert_input` into the workspace, stored in
+  // `dispatch`'s precision, as its parts; the row counts into `rank_rows`.
   absl::Status GatherParts(const DispatchPlan& plan, MatrixView expert_input, Workspace& ws,
                            StepDispatch* dispatch, std::vector<int64_t>* rank_rows);
 

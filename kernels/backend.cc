@@ -22,6 +22,11 @@ absl::Status CheckView(absl::string_view op, absl::string_view name, const View2
   return absl::OkStatus();
 }
 
+// An activation view's shape, for the checks above (they read the shape, never the data).
+View2D<const uint8_t> ShapeOf(ActivationView v) {
+  return View2D<const uint8_t>(static_cast<const uint8_t*>(v.data), v.rows, v.cols, v.stride);
+}
+
 absl::Status CheckRows(absl::string_view op, absl::Span<const int32_t> rows, int64_t limit) {
   for (int32_t r : rows)
     if (r < 0 || r >= limit) return ShapeError(op, absl::StrCat("row ", r, " out of range"));
@@ -93,8 +98,7 @@ absl::Status Backend::GluActivation(ConstMatrixView g, ConstMatrixView u,
 absl::Status Backend::ExpertMlp(ActivationView x, const ExpertAssignments& asg,
                                 absl::Span<const MlpWeights> experts, const ActivationParams& act,
                                 PartialView y, Precision p) {
-  const View2D<const uint8_t> x_shape(static_cast<const uint8_t*>(x.data), x.rows, x.cols,
-                                      x.stride);  // the checks read its shape only
+  const View2D<const uint8_t> x_shape = ShapeOf(x);
   RETURN_IF_ERROR(CheckSameShape("ExpertMlp", x_shape, y));
   RETURN_IF_ERROR(CheckView("ExpertMlp", "x", x_shape));
   if (x.dtype == Precision::kBF16 && p != Precision::kBF16)
@@ -159,11 +163,11 @@ absl::Status Backend::RoundPartials(ConstPartialView y, MatrixView out, Precisio
 }
 
 absl::Status Backend::GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                                 MatrixView out) {
+                                 MutableActivationView out) {
   if (static_cast<int64_t>(rows.size()) != out.rows || out.cols != x.cols)
     return ShapeError("GatherRows", "output shape does not match the row list");
   RETURN_IF_ERROR(CheckView("GatherRows", "x", x));
-  RETURN_IF_ERROR(CheckView("GatherRows", "out", out));
+  RETURN_IF_ERROR(CheckView("GatherRows", "out", ShapeOf(out)));
   RETURN_IF_ERROR(CheckRows("GatherRows", rows, x.rows));
   return DoGatherRows(x, rows, out);
 }

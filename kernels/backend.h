@@ -3,8 +3,9 @@
 // Activations are fp32 matrices in the backend's memory. In Precision::kBF16 every op rounds
 // its result to bf16 at the points docs/DESIGN.md "Numerics" names (values stay in fp32 storage,
 // so they are exact bf16 numbers); in kFP32 nothing is rounded. The one exception is the routed
-// experts' input (ActivationView): a rank's received rows, bf16 storage in a bf16 step. GEMMs
-// read bf16 operands (kBF16) or fp32 operands (kFP32) and always accumulate in fp32.
+// experts' input (ActivationView): the rows GatherRows gathers for a rank and the rank receives,
+// bf16 storage in a bf16 step. GEMMs read bf16 operands (kBF16) or fp32 operands (kFP32) and
+// always accumulate in fp32.
 //
 // Backends: CPU (kernels/cpu) and CUDA (kernels/cuda). Both are tested op by op against the
 // plain fp64 reference loops of tests/kernels/test_weights.h.
@@ -70,6 +71,24 @@ struct ActivationView {
     return static_cast<const uint16_t*>(data) + r * stride;
   }
   const float* Fp32Row(int64_t r) const { return static_cast<const float*>(data) + r * stride; }
+};
+
+// Writable activation rows in their storage dtype (GatherRows' output: a bf16 step's dispatch
+// rows). An fp32 view (MatrixView) converts to one.
+struct MutableActivationView {
+  void* data = nullptr;
+  Precision dtype = Precision::kFP32;
+  int64_t rows = 0, cols = 0, stride = 0;  // stride in elements
+  MutableActivationView() = default;
+  MutableActivationView(void* d, Precision t, int64_t r, int64_t c, int64_t s)
+      : data(d), dtype(t), rows(r), cols(c), stride(s) {}
+  MutableActivationView(MatrixView m)  // NOLINT: fp32 activations are activation rows
+      : MutableActivationView(m.data, Precision::kFP32, m.rows, m.cols, m.stride) {}
+  operator ActivationView() const {  // NOLINT: writable rows are readable
+    return ActivationView(data, dtype, rows, cols, stride);
+  }
+  uint16_t* Bf16Row(int64_t r) const { return static_cast<uint16_t*>(data) + r * stride; }
+  float* Fp32Row(int64_t r) const { return static_cast<float*>(data) + r * stride; }
 };
 
 // Router hyper-parameters (docs/DESIGN.md "Numerics" step 1).
@@ -162,8 +181,11 @@ class Backend {
   // out = round(y): fp64 partial sums to bf16 (one rounding) or fp32.
   absl::Status RoundPartials(ConstPartialView y, MatrixView out, Precision p);
 
-  // out[i] = x[rows[i]] (the dispatch gather). rows: host array of out.rows indices.
-  absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows, MatrixView out);
+  // out[i] = x[rows[i]] (the dispatch gather), in out's storage dtype: bf16 rounds to nearest
+  // even (exact for a bf16 step's rows, which hold bf16 values), so a bf16 step's rows leave the
+  // gather in the wire's dtype. rows: host array of out.rows indices.
+  absl::Status GatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
+                          MutableActivationView out);
 
   // y[rows[i]] += partial[i] in fp64 (the combine). rows: host array of partial.rows indices.
   absl::Status ScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
@@ -201,7 +223,7 @@ class Backend {
   virtual absl::Status DoRound(MatrixView y, Precision p) = 0;
   virtual absl::Status DoRoundPartials(ConstPartialView y, MatrixView out, Precision p) = 0;
   virtual absl::Status DoGatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                                    MatrixView out) = 0;
+                                    MutableActivationView out) = 0;
   virtual absl::Status DoScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
                                         PartialView y) = 0;
   virtual absl::Status DoZero(PartialView y) = 0;

@@ -22,6 +22,13 @@ absl::StatusOr<MatrixView> Workspace::Matrix(int slot, int64_t rows, int64_t col
   return MatrixView(static_cast<float*>(data), rows, cols, cols);
 }
 
+absl::StatusOr<MutableActivationView> Workspace::Activations(int slot, Precision dtype,
+                                                             int64_t rows, int64_t cols) {
+  const size_t element = dtype == Precision::kBF16 ? 2 : 4;
+  ASSIGN_OR_RETURN(void* data, Bytes(slot, static_cast<size_t>(rows * cols) * element));
+  return MutableActivationView(data, dtype, rows, cols, cols);
+}
+
 absl::StatusOr<PartialView> Workspace::Partial(int slot, int64_t rows, int64_t cols) {
   ASSIGN_OR_RETURN(void* data, Bytes(slot, static_cast<size_t>(rows * cols) * sizeof(double)));
   return PartialView(static_cast<double*>(data), rows, cols, cols);

@@ -16,6 +16,9 @@ class Workspace {
   explicit Workspace(Backend* backend) : backend_(backend) {}
   // fp32 activations [rows, cols].
   absl::StatusOr<MatrixView> Matrix(int slot, int64_t rows, int64_t cols);
+  // Activation rows [rows, cols] stored as `dtype` (bf16 bits or fp32).
+  absl::StatusOr<MutableActivationView> Activations(int slot, Precision dtype, int64_t rows,
+                                                    int64_t cols);
   // fp64 partial sums [rows, cols].
   absl::StatusOr<PartialView> Partial(int slot, int64_t rows, int64_t cols);
   // int32 expert ids, `count` of them.

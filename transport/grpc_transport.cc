@@ -65,6 +65,7 @@ void GrpcGatewayTransport::OnResult(int rank, moe::v1::internal::StepResult resu
 }
 
 absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
+  RETURN_IF_ERROR(CheckRowStorage(dispatch));
   for (const RankPart& part : dispatch.parts) {
     if (part.rank < 0 || part.rank >= static_cast<int>(ranks_.size()))
       return absl::InternalError(absl::StrCat("dispatch to unknown rank ", part.rank));
@@ -77,15 +78,15 @@ absl::Status GrpcGatewayTransport::Send(const StepDispatch& dispatch) {
     step->set_width(static_cast<int32_t>(part.rows.cols));
     step->set_precision(
         static_cast<moe::v1::internal::Precision>(WirePrecision(dispatch.precision)));
-    ConstMatrixView host_rows = part.rows;
+    ActivationView host_rows = part.rows;
     std::unique_lock<std::mutex> staging_lock(staging_mu_);
     if (backend_->space() == MemorySpace::kDevice) {
-      const size_t bytes = part.rows.rows * part.rows.stride * sizeof(float);
+      const size_t bytes = part.rows.rows * part.rows.stride * part.rows.element_bytes();
       staging_.resize(bytes);
       RETURN_IF_ERROR(backend_->CopyToHost(staging_.data(), part.rows.data, bytes));
-      host_rows.data = reinterpret_cast<const float*>(staging_.data());
+      host_rows.data = staging_.data();
     }
-    EncodeRows(host_rows, dispatch.precision, step->mutable_rows());
+    EncodeRows(host_rows, step->mutable_rows());
     staging_lock.unlock();
     const RowAssignments& a = *part.assignments;
     step->mutable_row_offsets()->Add(a.offsets.begin(), a.offsets.end());

@@ -25,6 +25,7 @@ void LoopbackTransport::AddRank(int layer, int rank, RankCompute compute) {
 }
 
 absl::Status LoopbackTransport::Send(const StepDispatch& dispatch) {
+  RETURN_IF_ERROR(CheckRowStorage(dispatch));
   auto it = layers_.find(dispatch.layer);
   for (const RankPart& part : dispatch.parts)
     if (it == layers_.end() || it->second->ranks.count(part.rank) == 0)

@@ -14,7 +14,6 @@
 #include "core/status.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/growable_memory.h"
-#include "kernels/cuda/launchers.h"
 
 namespace moe {
 namespace {
@@ -386,8 +385,8 @@ absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
   if (st.peer_down.load() && !st.comm.broken()) st.comm.Abort(st.peer_down_why);
   if (st.comm.broken()) return st.comm.BrokenStatus();
   // Validate everything before the first byte moves.
-  const bool bf16 = dispatch.precision == Precision::kBF16;
-  const size_t esize = bf16 ? 2 : 4;
+  const size_t esize = dispatch.precision == Precision::kBF16 ? 2 : 4;
+  RETURN_IF_ERROR(CheckRowStorage(dispatch));
   ASSIGN_OR_RETURN(const PartSizes sizes, SizeParts(dispatch, st.R()));
   const std::vector<int64_t>& rows = sizes.rows;
   const std::vector<int64_t>& assignments = sizes.assignments;
@@ -440,16 +439,10 @@ absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
       meta_at += Align16(meta_bytes);
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(peer.meta.get(), m, meta_bytes, cudaMemcpyHostToDevice,
                                            st.comm.stream()));
-      // rows: fp32 storage -> bf16 (exact: the rows are bf16 values) or compact fp32
-      if (bf16) {
-        CUDA_RETURN_IF_ERROR(cuda::LaunchPackOperand(part.rows.data, part.rows.stride, nullptr, n,
-                                                     width, peer.rows.get(), width, width, true,
-                                                     st.comm.stream()));
-      } else {
-        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(peer.rows.get(), width * 4, part.rows.data,
-                                               part.rows.stride * 4, width * 4, n,
-                                               cudaMemcpyDeviceToDevice, st.comm.stream()));
-      }
+      // rows: compacted, in the step's dtype already (bf16 from the gateway's gather)
+      CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(peer.rows.get(), width * esize, part.rows.data,
+                                             part.rows.stride * esize, width * esize, n,
+                                             cudaMemcpyDeviceToDevice, st.comm.stream()));
     }
     // Phase 1: counts first, to every rank.
     StepHeader base{};

@@ -16,8 +16,8 @@
 //   2 rows   gateway -> r with    meta: row_offsets i32[num_rows + 1],  rank r: meta buffer,
 //            num_rows > 0         local_experts i32[A], gates f32[A];   then row_offsets /
 //                                 rows [num_rows, width]: bf16 in bf16  local_experts / gates
-//                                 mode (narrowed on the device; exact:  on the host, rows in
-//                                 the rows are bf16 values), else fp32  the device as sent
+//                                 mode (as the gateway's gather wrote   on the host, rows in
+//                                 them), else fp32                      the device as sent
 //   3 reply  r -> gateway, for    ReplyHeader (256 B): magic, code      gateway: reply slot
 //            each r that got      (absl::StatusCode), step_id,          of r, partial slot of
 //            rows                 compute_us, active_experts, sizes,    r (fp64 [num_rows,

@@ -8,25 +8,15 @@
 
 namespace moe {
 
-// Rows leave a backend (fp32 views) in the step's dtype: in bf16 mode their values are bf16
-// already (the expert input is rounded), so narrowing them is exact and halves the bytes. This
-// is the expert leg's one conversion: the gateway's backend holds activations in fp32 storage,
-// and the rank keeps the wire's bf16 rows as they are (DecodeStepRequest) into its GEMMs.
-void EncodeRows(ConstMatrixView rows, Precision p, std::string* out) {
-  const size_t elem = p == Precision::kBF16 ? 2 : 4;
-  out->resize(rows.rows * rows.cols * elem);
-  char* dst = out->data();
-  for (int64_t r = 0; r < rows.rows; ++r) {
-    const float* src = rows.Row(r);
-    if (p == Precision::kBF16) {
-      for (int64_t c = 0; c < rows.cols; ++c) {
-        const uint16_t b = FloatToBf16Bits(src[c]);
-        std::memcpy(dst + 2 * (r * rows.cols + c), &b, 2);
-      }
-    } else {
-      std::memcpy(dst + 4 * r * rows.cols, src, rows.cols * 4);
-    }
-  }
+// A bf16 step's rows are bf16 from the gateway's gather (Backend::GatherRows) through the
+// wire into the rank's GEMMs (DecodeStepRequest keeps the wire's dtype): encoding is a copy.
+void EncodeRows(ActivationView rows, std::string* out) {
+  const size_t row_bytes = static_cast<size_t>(rows.cols) * rows.element_bytes();
+  out->resize(rows.rows * row_bytes);
+  const char* src = static_cast<const char*>(rows.data);
+  for (int64_t r = 0; r < rows.rows; ++r)
+    std::memcpy(out->data() + r * row_bytes, src + r * rows.stride * rows.element_bytes(),
+                row_bytes);
 }
 
 absl::Status DecodeStepRequest(const moe::v1::internal::StepRequest& step,

@@ -13,8 +13,8 @@
 
 namespace moe {
 
-// Encodes a backend's rows for the wire: bf16 or fp32, little-endian.
-void EncodeRows(ConstMatrixView rows, Precision p, std::string* out);
+// Host rows for the wire, as they are stored (bf16 bits or fp32), dense and little-endian.
+void EncodeRows(ActivationView rows, std::string* out);
 
 // Decodes `step` into `out` (all but wire_bytes); its rows land in `host_rows` in the wire's
 // dtype (copied, not converted), which `out.rows` then views. InvalidArgument for a bad shape or

@@ -20,6 +20,8 @@
 // gRPC, and NCCL on the CUDA emulator with every member on a device of its own):
 //   - Steps of different layers may be in flight at once, one caller thread per layer: none
 //     fails because another is in flight (Send may wait for the wire: NCCL has one step on it).
+//   - Rows travel as the gateway stored them, in the step's precision (bf16 bits in a bf16
+//     step); Send refuses others (INVALID_ARGUMENT) before anything moves.
 //   - Partials reach `consume` in ascending rank order, exactly as the rank computed them.
 //   - Collect fails DEADLINE_EXCEEDED once `deadline` passes, UNAVAILABLE naming the rank when a
 //     rank that got rows is told down (it died, or stayed silent for the liveness timeout:
@@ -56,10 +58,12 @@ inline absl::StatusOr<Precision> PrecisionFromWire(int32_t value) {
   return absl::InvalidArgumentError(absl::StrCat("unknown step precision ", value));
 }
 
-// What one rank gets in a step. `rows` lives in the gateway backend's memory.
+// What one rank gets in a step. `rows` lives in the gateway backend's memory, stored in the
+// step's precision (bf16 bits in a bf16 step, as the wire carries them; fp32 in an fp32 step):
+// transports send them as they are.
 struct RankPart {
   int rank = 0;
-  ConstMatrixView rows;  // [num_rows, width], fp32 storage
+  ActivationView rows;  // [num_rows, width]
   const RowAssignments* assignments = nullptr;
 };
 
@@ -72,6 +76,17 @@ struct StepDispatch {
   uint64_t placement_generation = 0;
   std::vector<RankPart> parts;  // ascending rank, non-empty parts only
 };
+
+// INVALID_ARGUMENT unless every part's rows are stored in the step's precision (each Send
+// checks this before anything moves).
+inline absl::Status CheckRowStorage(const StepDispatch& dispatch) {
+  for (const RankPart& part : dispatch.parts)
+    if (part.rows.dtype != dispatch.precision)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", dispatch.step_id, ": rank ", part.rank, "'s rows are ",
+          PrecisionName(part.rows.dtype), ", the step is ", PrecisionName(dispatch.precision)));
+  return absl::OkStatus();
+}
 
 // Per-rank statistics returned with a result.
 struct RankStepStats {

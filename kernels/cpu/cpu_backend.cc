@@ -19,6 +19,11 @@
 namespace moe {
 namespace {
 
+// n fp32 values to bf16 bits, rounded to nearest even (exact for bf16 values).
+void NarrowToBf16(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t c = 0; c < n; ++c) dst[c] = FloatToBf16Bits(src[c]);
+}
+
 class HostBuffer final : public DeviceBuffer {
  public:
   explicit HostBuffer(size_t bytes)
@@ -332,9 +337,12 @@ absl::Status CpuBackend::DoRoundPartials(ConstPartialView y, MatrixView out, Pre
 }
 
 absl::Status CpuBackend::DoGatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                                      MatrixView out) {
+                                      MutableActivationView out) {
   for (size_t i = 0; i < rows.size(); ++i) {
-    std::memcpy(out.Row(i), x.Row(rows[i]), x.cols * sizeof(float));
+    if (out.dtype == Precision::kFP32)
+      std::memcpy(out.Fp32Row(i), x.Row(rows[i]), x.cols * sizeof(float));
+    else
+      NarrowToBf16(x.Row(rows[i]), x.cols, out.Bf16Row(i));
   }
   return absl::OkStatus();
 }
@@ -365,8 +373,7 @@ absl::Status CpuBackend::DoDownloadRows(ConstMatrixView y, ActivationRows* out) 
     if (out->precision() == Precision::kFP32) {
       std::memcpy(static_cast<float*>(out->data()) + r * y.cols, y.Row(r), y.cols * sizeof(float));
     } else {
-      uint16_t* bits = static_cast<uint16_t*>(out->data()) + r * y.cols;
-      for (int64_t c = 0; c < y.cols; ++c) bits[c] = FloatToBf16Bits(y.Row(r)[c]);
+      NarrowToBf16(y.Row(r), y.cols, static_cast<uint16_t*>(out->data()) + r * y.cols);
     }
   }
   return absl::OkStatus();

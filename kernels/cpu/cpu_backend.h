@@ -60,7 +60,7 @@ class CpuBackend final : public Backend {
   absl::Status DoRound(MatrixView y, Precision p) override;
   absl::Status DoRoundPartials(ConstPartialView y, MatrixView out, Precision p) override;
   absl::Status DoGatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                            MatrixView out) override;
+                            MutableActivationView out) override;
   absl::Status DoScatterAddRows(ConstPartialView partial, absl::Span<const int32_t> rows,
                                 PartialView y) override;
   absl::Status DoZero(PartialView y) override;

@@ -581,15 +581,15 @@ absl::Status CudaBackend::DoRoundPartials(ConstPartialView y, MatrixView out, Pr
 }
 
 absl::Status CudaBackend::DoGatherRows(ConstMatrixView x, absl::Span<const int32_t> rows,
-                                       MatrixView out) {
+                                       MutableActivationView out) {
   if (rows.empty()) return absl::OkStatus();
   MOE_CUDA_OP_PROLOGUE();
   HostBlob blob;
   blob.Add(rows.data(), rows.size() * sizeof(int32_t));
   ASSIGN_OR_RETURN(uint8_t * dev, impl_->Upload(blob));
-  CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(x.data, x.stride,
-                                              reinterpret_cast<const int32_t*>(dev), out.rows,
-                                              out.cols, out.data, out.stride, impl_->stream));
+  CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(
+      x.data, x.stride, reinterpret_cast<const int32_t*>(dev), out.rows, out.cols, out.data,
+      out.stride, out.dtype == Precision::kBF16, impl_->stream));
   return absl::OkStatus();
 }
 

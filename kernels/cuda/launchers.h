@@ -95,9 +95,9 @@ cudaError_t LaunchRmsNorm(const float* x, int64_t sx, const uint16_t* weight, fl
                           int64_t sy, int64_t rows, int64_t cols, bool bf16, cudaStream_t s);
 
 // ---- rows (rows.cu) -------------------------------------------------------------------------
-// out[i] = x[rows[i]].
+// out[i] = x[rows[i]]; out_bf16: out holds bf16 bits (rounded to nearest even), else fp32.
 cudaError_t LaunchGatherRows(const float* x, int64_t sx, const int32_t* rows, int64_t n,
-                             int64_t cols, float* out, int64_t so, cudaStream_t s);
+                             int64_t cols, void* out, int64_t so, bool out_bf16, cudaStream_t s);
 // y[rows[i]] += partial[i] (fp64). unique_rows: rows has no duplicates (parallel over rows);
 // otherwise every column is accumulated over i in order by one thread (deterministic).
 cudaError_t LaunchScatterAddRows(const double* partial, int64_t sp, const int32_t* rows, int64_t n,

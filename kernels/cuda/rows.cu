@@ -6,11 +6,15 @@ namespace {
 
 constexpr int kThreads = 256;
 
+__device__ __forceinline__ void Store(float* out, float v) { *out = v; }
+__device__ __forceinline__ void Store(uint16_t* out, float v) { *out = FloatToBf16Bits(v); }
+
+template <typename Out>  // float: a copy; uint16_t: bf16 bits, rounded to nearest even
 __global__ void GatherRowsKernel(const float* x, int64_t sx, const int32_t* rows, int64_t n,
-                                 int64_t cols, float* out, int64_t so) {
+                                 int64_t cols, Out* out, int64_t so) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
-  for (int64_t i = blockIdx.y; i < n; i += gridDim.y) out[i * so + c] = x[rows[i] * sx + c];
+  for (int64_t i = blockIdx.y; i < n; i += gridDim.y) Store(out + i * so + c, x[rows[i] * sx + c]);
 }
 
 // Unique destination rows: one thread per (row, column), no two threads share an element.
@@ -39,11 +43,16 @@ __global__ void ScatterAddOrderedKernel(const double* partial, int64_t sp, const
 }  // namespace
 
 cudaError_t LaunchGatherRows(const float* x, int64_t sx, const int32_t* rows, int64_t n,
-                             int64_t cols, float* out, int64_t so, cudaStream_t s) {
+                             int64_t cols, void* out, int64_t so, bool out_bf16, cudaStream_t s) {
   if (n == 0 || cols == 0) return cudaSuccess;
   if (!GridFits(n, cols, kThreads)) return cudaErrorInvalidValue;
-  GatherRowsKernel<<<ElementwiseGrid(n, cols, kThreads), kThreads, 0, s>>>(x, sx, rows, n, cols,
-                                                                           out, so);
+  const dim3 grid = ElementwiseGrid(n, cols, kThreads);
+  if (out_bf16) {
+    GatherRowsKernel<<<grid, kThreads, 0, s>>>(x, sx, rows, n, cols, static_cast<uint16_t*>(out),
+                                               so);
+  } else {
+    GatherRowsKernel<<<grid, kThreads, 0, s>>>(x, sx, rows, n, cols, static_cast<float*>(out), so);
+  }
   return cudaGetLastError();
 }
 

@@ -176,6 +176,18 @@ TEST_F(CudaBackendTest, GatherAndScatterAddRowsAreExact) {
     ASSERT_TRUE(
         gpu_->GatherRows(dx.View(src_rows, cols, cols), rows, dout.View(n, cols, cols)).ok());
     EXPECT_EQ(dout.ToHost(), want);
+    // Into bf16 storage (a bf16 step's dispatch rows): the CPU backend's bits, strided.
+    std::vector<uint16_t> want16(n * (cols + 2), 0x7777);
+    ASSERT_TRUE(
+        cpu_.GatherRows(ConstMatrixView(x.data(), src_rows, cols, cols), rows,
+                        MutableActivationView(want16.data(), Precision::kBF16, n, cols, cols + 2))
+            .ok());
+    DeviceArray<uint16_t> dout16(gpu_.get(), std::vector<uint16_t>(want16.size(), 0x7777));
+    ASSERT_TRUE(
+        gpu_->GatherRows(dx.View(src_rows, cols, cols), rows,
+                         MutableActivationView(dout16.data(), Precision::kBF16, n, cols, cols + 2))
+            .ok());
+    EXPECT_EQ(dout16.ToHost(), want16);
 
     // ScatterAdd: unique rows (a permutation prefix) and rows with repeats.
     for (bool unique : {true, false}) {

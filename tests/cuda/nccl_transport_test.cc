@@ -94,22 +94,33 @@ int WaitChild(pid_t pid, std::chrono::seconds timeout) {
 
 // The gateway's view of a step for rank 0: rows in device memory (strided) + assignments.
 struct StepData {
-  std::vector<float> rows;  // [n, stride] host copy
+  std::vector<float> rows;  // [n, stride] host copy, the values sent
   int64_t n = 0, width = 0, stride = 0;
+  Precision precision = Precision::kBF16;
   RowAssignments assignments;
-  std::unique_ptr<DeviceArray<float>> device;
+  // On the device as a gateway's gather stores them: bf16 bits in a bf16 step, else fp32.
+  std::unique_ptr<DeviceArray<float>> device32;
+  std::unique_ptr<DeviceArray<uint16_t>> device16;
+  ActivationView Rows() const {
+    return precision == Precision::kBF16
+               ? ActivationView(device16->data(), precision, n, width, stride)
+               : ActivationView(device32->data(), precision, n, width, stride);
+  }
 };
 
-StepData MakeStep(CudaBackend* backend, int64_t n, int64_t width, bool bf16_values) {
+// bf16 steps get bf16 values; fp32 steps values bf16 cannot hold.
+StepData MakeStep(CudaBackend* backend, int64_t n, int64_t width, Precision p) {
   StepData s;
   s.n = n;
   s.width = width;
   s.stride = width + 5;
+  s.precision = p;
+  const bool bf16 = p == Precision::kBF16;
   s.rows.assign(n * s.stride, -1.0f);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t c = 0; c < width; ++c)
-      s.rows[i * s.stride + c] = bf16_values ? static_cast<float>((i * 7 + c) % 251 - 125)
-                                             : static_cast<float>(i) + 1.0f / 3.0f + c * 1e-3f;
+      s.rows[i * s.stride + c] = bf16 ? static_cast<float>((i * 7 + c) % 251 - 125)
+                                      : static_cast<float>(i) + 1.0f / 3.0f + c * 1e-3f;
   for (int64_t i = 0; i < n; ++i) {
     const int k = static_cast<int>(i % 3) + 1;
     for (int j = 0; j < k; ++j) {
@@ -118,7 +129,13 @@ StepData MakeStep(CudaBackend* backend, int64_t n, int64_t width, bool bf16_valu
     }
     s.assignments.offsets.push_back(static_cast<int32_t>(s.assignments.local_experts.size()));
   }
-  s.device = std::make_unique<DeviceArray<float>>(backend, s.rows);
+  if (bf16) {
+    std::vector<uint16_t> bits(s.rows.size());
+    for (size_t i = 0; i < bits.size(); ++i) bits[i] = FloatToBf16Bits(s.rows[i]);
+    s.device16 = std::make_unique<DeviceArray<uint16_t>>(backend, bits);
+  } else {
+    s.device32 = std::make_unique<DeviceArray<float>>(backend, s.rows);
+  }
   return s;
 }
 
@@ -175,7 +192,7 @@ class NcclTransportTest : public ::testing::Test {
     d.step_id = 1;
     d.layer = kSlowLayer;
     d.precision = Precision::kBF16;
-    d.parts.push_back({0, a.device->View(a.n, a.width, a.stride), &a.assignments});
+    d.parts.push_back({0, a.Rows(), &a.assignments});
     return d;
   }
 
@@ -185,7 +202,7 @@ class NcclTransportTest : public ::testing::Test {
     d.step_id = step_id;
     d.layer = 1;
     d.precision = p;
-    d.parts.push_back({0, s.device->View(s.n, s.width, s.stride), &s.assignments});
+    d.parts.push_back({0, s.Rows(), &s.assignments});
     ASSERT_TRUE(gateway_->Send(d).ok());
     int calls = 0;
     const absl::Status st = gateway_->Collect(
@@ -231,13 +248,13 @@ TEST_F(NcclTransportTest, StepsErrorsEmptyStepsAndShutdown) {
   Start("steps");
   if (gateway_ == nullptr) return;  // skipped or failed in Start
   EXPECT_EQ(gateway_->name(), "nccl");
-  // bf16 rows (converted on the device; exact), a width that is not a multiple of 8.
-  StepData a = MakeStep(backend_.get(), 5, 136, true);
+  // bf16 rows, strided, a width that is not a multiple of 8.
+  StepData a = MakeStep(backend_.get(), 5, 136, Precision::kBF16);
   ExchangeAndCheck(1, Precision::kBF16, a);
   // fp32 rows with values bf16 cannot hold, odd width, one row.
-  StepData b = MakeStep(backend_.get(), 1, 77, false);
+  StepData b = MakeStep(backend_.get(), 1, 77, Precision::kFP32);
   ExchangeAndCheck(2, Precision::kFP32, b);
-  StepData c = MakeStep(backend_.get(), 257, 33, false);
+  StepData c = MakeStep(backend_.get(), 257, 33, Precision::kFP32);
   ExchangeAndCheck(3, Precision::kFP32, c);
 
   // A step in which the rank gets nothing: headers only, no consume.
@@ -261,7 +278,7 @@ TEST_F(NcclTransportTest, StepsErrorsEmptyStepsAndShutdown) {
     StepDispatch d;
     d.step_id = 5;
     d.layer = kErrorLayer;
-    d.parts.push_back({0, a.device->View(a.n, a.width, a.stride), &a.assignments});
+    d.parts.push_back({0, a.Rows(), &a.assignments});
     ASSERT_TRUE(gateway_->Send(d).ok());
     int calls = 0;
     const absl::Status st = gateway_->Collect(d, absl::Now() + absl::Seconds(30),
@@ -277,12 +294,12 @@ TEST_F(NcclTransportTest, StepsErrorsEmptyStepsAndShutdown) {
   // A second step (another layer's, from another thread) waits for the one in flight instead
   // of failing, and goes once that one is abandoned (or collected).
   {
-    StepData e = MakeStep(backend_.get(), 3, 64, true);
+    StepData e = MakeStep(backend_.get(), 3, 64, Precision::kBF16);
     StepDispatch d;
     d.step_id = 6;
     d.layer = 1;
     d.precision = Precision::kBF16;
-    d.parts.push_back({0, e.device->View(e.n, e.width, e.stride), &e.assignments});
+    d.parts.push_back({0, e.Rows(), &e.assignments});
     ASSERT_TRUE(gateway_->Send(d).ok());
     StepDispatch next = d;
     next.step_id = 7;
@@ -308,7 +325,7 @@ TEST_F(NcclTransportTest, StepsErrorsEmptyStepsAndShutdown) {
 TEST_F(NcclTransportTest, DeadlineAbortsTheCommunicator) {
   Start("deadline");
   if (gateway_ == nullptr) return;
-  StepData a = MakeStep(backend_.get(), 2, 64, true);
+  StepData a = MakeStep(backend_.get(), 2, 64, Precision::kBF16);
   StepDispatch d = SlowStep(a);
   ASSERT_TRUE(gateway_->Send(d).ok());
   const absl::Status st = gateway_->Collect(
@@ -327,7 +344,7 @@ TEST_F(NcclTransportTest, DeadlineAbortsTheCommunicator) {
 TEST_F(NcclTransportTest, ARankMarkedDownFailsTheStepInFlightAtOnce) {
   Start("deadline");
   if (gateway_ == nullptr) return;
-  StepData a = MakeStep(backend_.get(), 2, 64, true);
+  StepData a = MakeStep(backend_.get(), 2, 64, Precision::kBF16);
   StepDispatch d = SlowStep(a);
   ASSERT_TRUE(gateway_->Send(d).ok());
   std::thread liveness([&] {

@@ -240,7 +240,8 @@ std::string Step(int rows, int width, Precision p, bool drop_last_byte = false) 
   step->set_num_rows(rows);
   step->set_width(width);
   step->set_precision(static_cast<moe::v1::internal::Precision>(WirePrecision(p)));
-  EncodeRows(ConstMatrixView(values.data(), rows, width, width), p, step->mutable_rows());
+  const ActivationRows host = ActivationRows::FromFloats(p, values.data(), rows, width);
+  EncodeRows(ActivationView(host), step->mutable_rows());
   if (drop_last_byte) step->mutable_rows()->pop_back();
   step->add_row_offsets(0);
   for (int r = 0; r < rows; ++r) {

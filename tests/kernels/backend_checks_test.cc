@@ -62,7 +62,8 @@ class RecordingBackend final : public Backend {
   absl::Status DoRoundPartials(ConstPartialView, MatrixView, Precision) override {
     return Called();
   }
-  absl::Status DoGatherRows(ConstMatrixView, absl::Span<const int32_t>, MatrixView) override {
+  absl::Status DoGatherRows(ConstMatrixView, absl::Span<const int32_t>,
+                            MutableActivationView) override {
     return Called();
   }
   absl::Status DoScatterAddRows(ConstPartialView, absl::Span<const int32_t>, PartialView) override {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -373,6 +374,44 @@ TEST_F(CpuBackendTest, RmsNormAndRoundingOps) {
   EXPECT_EQ(g[0], x[2 * D]);
   EXPECT_EQ(g[D + 5], x[5]);
   EXPECT_FALSE(backend_.GatherRows(CView(x, T, D), std::vector<int32_t>{0, 7}, View(g, 2, D)).ok());
+}
+
+// The nearest bf16 to finite v, ties to the even mantissa, found by comparing the two bf16
+// neighbours in fp64 (not by the bit trick the backends use).
+uint16_t NearestBf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t down = u & 0xffff0000u, up = down + 0x10000u;  // toward zero, away from zero
+  float fd, fu;
+  std::memcpy(&fd, &down, 4);
+  std::memcpy(&fu, &up, 4);
+  const double ed = std::fabs(static_cast<double>(v) - fd),
+               eu = std::fabs(fu - static_cast<double>(v));
+  if (ed != eu) return static_cast<uint16_t>((ed < eu ? down : up) >> 16);
+  return static_cast<uint16_t>(((down >> 16) & 1) == 0 ? down >> 16 : up >> 16);
+}
+
+TEST_F(CpuBackendTest, GatherRowsIntoBf16RoundsToNearestEven) {
+  const int64_t T = 5, D = 37;  // odd width: no vector-multiple rows
+  auto x = RandomActivations(T, D, 9);
+  x[3] = 1.0f + std::ldexp(1.0f, -8);            // a tie: stays 1
+  x[4] = 1.0f + 3 * std::ldexp(1.0f, -8);        // a tie: rounds up to the even 1 + 2^-6
+  x[5] = -(1.0f + std::ldexp(1.0f, -8) * 1.5f);  // above a tie (magnitude): away from zero
+  x[6] = RoundToBf16(x[6]);                      // a bf16 value: exact
+  const std::vector<int32_t> rows = {4, 0, 0, 2};
+  const int64_t stride = D + 3;
+  std::vector<uint16_t> out(rows.size() * stride, 0xabcd);
+  ASSERT_TRUE(backend_
+                  .GatherRows(CView(x, T, D), rows,
+                              MutableActivationView(out.data(), Precision::kBF16, 4, D, stride))
+                  .ok());
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t c = 0; c < stride; ++c)
+      ASSERT_EQ(out[i * stride + c], c < D ? NearestBf16(x[rows[i] * D + c]) : 0xabcd)
+          << "row " << i << " col " << c;
+  EXPECT_EQ(out[stride + 3], 0x3f80);
+  EXPECT_EQ(out[stride + 4], 0x3f82);
+  EXPECT_EQ(Bf16BitsToFloat(out[stride + 6]), x[6]);
 }
 
 TEST_F(CpuBackendTest, ShapeMismatchesAreErrorsNotCrashes) {

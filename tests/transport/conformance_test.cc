@@ -86,7 +86,7 @@ class Ranks {
     return shards_.at({layer, rank})->Compute(rows, a, p, partial);
   }
   // The same rows computed directly: what the transport must hand over.
-  std::vector<double> Expected(int layer, int rank, ConstMatrixView rows, const RowAssignments& a,
+  std::vector<double> Expected(int layer, int rank, ActivationView rows, const RowAssignments& a,
                                Precision p) {
     std::vector<double> out(rows.rows * rows.cols);
     PartialView view(out.data(), rows.rows, rows.cols, rows.cols);
@@ -346,7 +346,7 @@ class NcclHarness final : public Harness {
 
 // One step's rows and assignments for some ranks, random but reproducible.
 struct StepData {
-  std::vector<std::vector<float>> rows;  // per part
+  std::vector<ActivationRows> rows;  // per part, stored in the step's precision (as gathered)
   std::vector<RowAssignments> assignments;
   StepDispatch dispatch;
 };
@@ -369,8 +369,9 @@ std::unique_ptr<StepData> MakeStep(Ranks& ranks, int layer, const std::vector<in
   for (size_t i = 0; i < to_ranks.size(); ++i) {
     const int r = to_ranks[i];
     const int64_t m = 1 + static_cast<int64_t>(rng() % 40);
-    step->rows[i].resize(m * D);
-    for (float& v : step->rows[i]) v = RoundTo(p, normal(rng));  // bf16 mode: bf16 values
+    std::vector<float> values(m * D);
+    for (float& v : values) v = normal(rng);
+    step->rows[i] = ActivationRows::FromFloats(p, values.data(), m, D);
     RowAssignments& a = step->assignments[i];
     const int E = ranks.local_experts(r);
     for (int64_t row = 0; row < m; ++row) {
@@ -386,8 +387,7 @@ std::unique_ptr<StepData> MakeStep(Ranks& ranks, int layer, const std::vector<in
   }
   for (size_t i = 0; i < to_ranks.size(); ++i)
     step->dispatch.parts.push_back(
-        {to_ranks[i], ConstMatrixView(step->rows[i].data(), step->rows[i].size() / D, D, D),
-         &step->assignments[i]});
+        {to_ranks[i], ActivationView(step->rows[i]), &step->assignments[i]});
   return step;
 }
 
@@ -491,6 +491,21 @@ TEST_P(TransportContract, RankFailuresMapToTheSameCallerCodes) {
   ranks_.behavior(1).fail_code = 0;
   auto step = MakeStep(ranks_, layer, {0, 1, 2}, 12);
   EXPECT_TRUE(RunStep(transport(), ranks_, *step).ok()) << "a failed step leaves no trace";
+}
+
+TEST_P(TransportContract, RowsNotStoredInTheStepsPrecisionAreRefusedBeforeAnythingMoves) {
+  const int layer = ranks_.layers().front();
+  auto bf16_rows = MakeStep(ranks_, layer, {0, 2}, 13, Precision::kBF16);
+  bf16_rows->dispatch.precision = Precision::kFP32;
+  auto fp32_rows = MakeStep(ranks_, layer, {1}, 14, Precision::kFP32);
+  fp32_rows->dispatch.precision = Precision::kBF16;
+  for (const StepData* step : {bf16_rows.get(), fp32_rows.get()}) {
+    const absl::Status s = transport().Send(step->dispatch);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("rows are"), absl::string_view::npos) << s;
+  }
+  auto step = MakeStep(ranks_, layer, {0, 1, 2}, 15);
+  EXPECT_TRUE(RunStep(transport(), ranks_, *step).ok()) << "a refused step leaves no trace";
 }
 
 TEST_P(TransportContract, ADeadlinePassedFailsTheStepAndItsLateResultIsDropped) {

@@ -1,6 +1,8 @@
 // The step wire format a rank decodes (transport/step_codec.h).
 #include "transport/step_codec.h"
 
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -19,8 +21,9 @@ StepRequest Step(int32_t rows, int32_t width, bool bf16) {
   step.set_num_rows(rows);
   step.set_width(width);
   step.set_precision(bf16 ? moe::v1::internal::PRECISION_BF16 : moe::v1::internal::PRECISION_FP32);
-  EncodeRows(ConstMatrixView(values.data(), rows, width, width),
-             bf16 ? Precision::kBF16 : Precision::kFP32, step.mutable_rows());
+  const ActivationRows host = ActivationRows::FromFloats(bf16 ? Precision::kBF16 : Precision::kFP32,
+                                                         values.data(), rows, width);
+  EncodeRows(ActivationView(host), step.mutable_rows());
   for (int32_t r = 0; r <= rows; ++r) step.add_row_offsets(r);
   for (int32_t r = 0; r < rows; ++r) {
     step.add_local_experts(r % 3);
@@ -49,6 +52,21 @@ TEST(StepCodecTest, DecodesRowsAndAssignments) {
     EXPECT_EQ(out.assignments.offsets, (std::vector<int32_t>{0, 1, 2, 3}));
     EXPECT_EQ(out.assignments.local_experts, (std::vector<int32_t>{0, 1, 2}));
   }
+}
+
+// Rows are encoded as stored, dense: a strided view's padding is not sent.
+TEST(StepCodecTest, EncodesStridedRowsDenseAsStored) {
+  const std::vector<uint16_t> bf16 = {0x3f80, 0x4000, 0xdead, 0xc040, 0x3e80, 0xbeef};
+  std::string wire;
+  EncodeRows(ActivationView(bf16.data(), Precision::kBF16, 2, 2, 3), &wire);
+  const std::vector<uint16_t> dense = {0x3f80, 0x4000, 0xc040, 0x3e80};
+  ASSERT_EQ(wire.size(), dense.size() * 2);
+  EXPECT_EQ(std::memcmp(wire.data(), dense.data(), wire.size()), 0);
+  const std::vector<float> fp32 = {1.5f, -2.0f, 99.0f, 0.125f, 3.0f, 77.0f};
+  EncodeRows(ActivationView(fp32.data(), Precision::kFP32, 2, 2, 3), &wire);
+  const std::vector<float> dense32 = {1.5f, -2.0f, 0.125f, 3.0f};
+  ASSERT_EQ(wire.size(), dense32.size() * 4);
+  EXPECT_EQ(std::memcmp(wire.data(), dense32.data(), wire.size()), 0);
 }
 
 TEST(StepCodecTest, BadShapeOrByteCountIsRefused) {
