@@ -17,8 +17,7 @@ ActivationRows ActivationRows::FromFloats(Precision precision, const float* valu
   if (precision == Precision::kFP32) {
     std::memcpy(out.data(), values, out.bytes());
   } else {
-    auto* bits = static_cast<uint16_t*>(out.data());
-    for (int64_t i = 0; i < n; ++i) bits[i] = FloatToBf16Bits(values[i]);
+    FloatsToBf16Bits(values, n, static_cast<uint16_t*>(out.data()));
   }
   return out;
 }

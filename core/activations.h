@@ -26,7 +26,7 @@ class ActivationRows {
   int64_t rows() const { return rows_; }
   int64_t cols() const { return cols_; }
   bool empty() const { return rows_ == 0; }
-  size_t element_bytes() const { return precision_ == Precision::kBF16 ? 2 : 4; }
+  size_t element_bytes() const { return ElementBytes(precision_); }
   size_t row_bytes() const { return static_cast<size_t>(cols_) * element_bytes(); }
   size_t bytes() const { return static_cast<size_t>(rows_) * row_bytes(); }
   const void* data() const { return storage_.data(); }

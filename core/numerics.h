@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -23,6 +24,8 @@ enum class Precision {
   kFP32,  // no intermediate rounding; for exactness tests
 };
 inline const char* PrecisionName(Precision p) { return p == Precision::kBF16 ? "bf16" : "fp32"; }
+// Bytes per stored activation element: bf16 bits or fp32.
+constexpr size_t ElementBytes(Precision p) { return p == Precision::kBF16 ? 2 : 4; }
 
 MOE_HD uint32_t FloatBits(float f) {
   uint32_t u;
@@ -45,6 +48,11 @@ MOE_HD uint16_t FloatToBf16Bits(float f) {
 }
 
 MOE_HD float Bf16BitsToFloat(uint16_t b) { return BitsToFloat(static_cast<uint32_t>(b) << 16); }
+
+// n fp32 values to bf16 bits (FloatToBf16Bits each; exact for bf16 values). Host code.
+inline void FloatsToBf16Bits(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16Bits(src[i]);
+}
 
 // The value of `f` rounded to bf16, kept in an fp32 register.
 MOE_HD float RoundToBf16(float f) { return Bf16BitsToFloat(FloatToBf16Bits(f)); }

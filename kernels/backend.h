@@ -66,7 +66,7 @@ struct ActivationView {
   // Host rows, in place (their dtype is the storage).
   explicit ActivationView(const ActivationRows& host)
       : ActivationView(host.data(), host.precision(), host.rows(), host.cols(), host.cols()) {}
-  size_t element_bytes() const { return dtype == Precision::kBF16 ? 2 : 4; }
+  size_t element_bytes() const { return ElementBytes(dtype); }
   const uint16_t* Bf16Row(int64_t r) const {
     return static_cast<const uint16_t*>(data) + r * stride;
   }

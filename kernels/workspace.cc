@@ -24,8 +24,7 @@ absl::StatusOr<MatrixView> Workspace::Matrix(int slot, int64_t rows, int64_t col
 
 absl::StatusOr<MutableActivationView> Workspace::Activations(int slot, Precision dtype,
                                                              int64_t rows, int64_t cols) {
-  const size_t element = dtype == Precision::kBF16 ? 2 : 4;
-  ASSIGN_OR_RETURN(void* data, Bytes(slot, static_cast<size_t>(rows * cols) * element));
+  ASSIGN_OR_RETURN(void* data, Bytes(slot, static_cast<size_t>(rows * cols) * ElementBytes(dtype)));
   return MutableActivationView(data, dtype, rows, cols, cols);
 }
 

@@ -385,7 +385,7 @@ absl::Status NcclGatewayTransport::Send(const StepDispatch& dispatch) {
   if (st.peer_down.load() && !st.comm.broken()) st.comm.Abort(st.peer_down_why);
   if (st.comm.broken()) return st.comm.BrokenStatus();
   // Validate everything before the first byte moves.
-  const size_t esize = dispatch.precision == Precision::kBF16 ? 2 : 4;
+  const size_t esize = ElementBytes(dispatch.precision);
   RETURN_IF_ERROR(CheckRowStorage(dispatch));
   ASSIGN_OR_RETURN(const PartSizes sizes, SizeParts(dispatch, st.R()));
   const std::vector<int64_t>& rows = sizes.rows;
@@ -553,7 +553,7 @@ absl::Status NcclGatewayTransport::Collect(
       const ReplyHeader& h = *st.HostReply(part.rank);
       stats.compute_us = h.compute_us;
       stats.active_experts = h.active_experts;
-      const size_t esize = dispatch.precision == Precision::kBF16 ? 2 : 4;
+      const size_t esize = ElementBytes(dispatch.precision);
       stats.bytes_sent = static_cast<int64_t>(
           sizeof(StepHeader) +
           MetaBytes(n, static_cast<int64_t>(part.assignments->local_experts.size())) +
@@ -717,9 +717,8 @@ absl::StatusOr<ReceivedStep> NcclRankTransport::Receive() {
       }
       // Phase 2: meta and rows.
       const int64_t n = h.num_rows, width = h.width, A = h.num_assignments;
-      const bool bf16 = *precision == Precision::kBF16;
       const size_t meta_bytes = MetaBytes(n, A);
-      const size_t row_bytes = static_cast<size_t>(n * width) * (bf16 ? 2 : 4);
+      const size_t row_bytes = static_cast<size_t>(n * width) * ElementBytes(*precision);
       RETURN_IF_ERROR(st.meta.Ensure(meta_bytes));
       RETURN_IF_ERROR(st.host_meta.Ensure(meta_bytes));
       RETURN_IF_ERROR(st.rows_wire.Ensure(row_bytes));
@@ -743,7 +742,7 @@ absl::StatusOr<ReceivedStep> NcclRankTransport::Receive() {
       step.step_id = h.step_id;
       step.layer = h.layer;
       step.placement_generation = h.placement_generation;
-      step.precision = bf16 ? Precision::kBF16 : Precision::kFP32;
+      step.precision = *precision;
       step.rows = ActivationView(st.rows_wire.get(), step.precision, n, width, width);  // as sent
       step.wire_bytes = static_cast<int64_t>(sizeof(StepHeader) + meta_bytes + row_bytes);
       const uint8_t* m = st.host_meta.get();

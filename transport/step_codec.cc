@@ -28,8 +28,7 @@ absl::Status DecodeStepRequest(const moe::v1::internal::StepRequest& step,
   const int64_t rows = step.num_rows(), width = step.width();
   if (rows < 0 || width <= 0) return absl::InvalidArgumentError("bad step shape");
   // Before the buffer is sized: the shape (two int32s) could ask for 2^62 elements.
-  const size_t elem = out->precision == Precision::kBF16 ? 2 : 4;
-  if (step.rows().size() != static_cast<size_t>(rows * width) * elem)
+  if (step.rows().size() != static_cast<size_t>(rows * width) * ElementBytes(out->precision))
     return absl::InvalidArgumentError(
         absl::StrCat("step rows: ", step.rows().size(), " bytes for [", rows, ", ", width, "]"));
   if (host_rows->precision() != out->precision || host_rows->rows() != rows ||

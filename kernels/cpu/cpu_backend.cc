@@ -19,11 +19,6 @@
 namespace moe {
 namespace {
 
-// n fp32 values to bf16 bits, rounded to nearest even (exact for bf16 values).
-void NarrowToBf16(const float* src, int64_t n, uint16_t* dst) {
-  for (int64_t c = 0; c < n; ++c) dst[c] = FloatToBf16Bits(src[c]);
-}
-
 class HostBuffer final : public DeviceBuffer {
  public:
   explicit HostBuffer(size_t bytes)
@@ -115,7 +110,7 @@ absl::StatusOr<WeightVector> CpuBackend::DoPrepareVector(const WeightVector& hos
 int64_t CpuBackend::PackRows(const ActivationView& x, WeightFormat format, Precision p,
                              cpu::AlignedBuffer* buffer) {
   const int64_t stride = cpu::PaddedK(x.cols);
-  const size_t elem = p == Precision::kBF16 ? 2 : 4;
+  const size_t elem = ElementBytes(p);
   uint8_t* base = buffer->Reserve(x.rows * stride * elem);
   pool_.ParallelChunks(x.rows, RowsPerChunk(x.cols), [&](int64_t b, int64_t e, int) {
     // bf16 rows are widened one at a time into an L1-sized row (exact) for the tier's pack
@@ -154,7 +149,7 @@ absl::Status CpuBackend::DoLinear(ConstMatrixView x, const WeightMatrix& w, Matr
   op.precision = p;
   // Blocks of operand rows small enough to stay in L2 (~512 KB) while the weight rows stream
   // past them; the canonical order does not depend on the blocking.
-  const size_t row_bytes = op.x_stride * (p == Precision::kBF16 ? 2 : 4);
+  const size_t row_bytes = op.x_stride * ElementBytes(p);
   const int64_t m_block =
       std::max<int64_t>(6, static_cast<int64_t>((512 << 10) / row_bytes) / 6 * 6);
   ForRowBlocks(w.rows, [&](int64_t n0, int64_t n1, int t) {
@@ -226,7 +221,7 @@ absl::Status CpuBackend::DoExpertMlp(ActivationView x, const ExpertAssignments& 
   const WeightFormat in_format = experts[0].gate.format, hidden_format = experts[0].down.format;
 
   std::lock_guard<std::mutex> lock(mu_);
-  const size_t elem = p == Precision::kBF16 ? 2 : 4;
+  const size_t elem = ElementBytes(p);
   const int64_t x_stride = PackRows(x, in_format, p, &packed_x_);
   // Hidden activations of every assignment, packed for the down projection.
   const int64_t h_stride = cpu::PaddedK(hidden);
@@ -342,7 +337,7 @@ absl::Status CpuBackend::DoGatherRows(ConstMatrixView x, absl::Span<const int32_
     if (out.dtype == Precision::kFP32)
       std::memcpy(out.Fp32Row(i), x.Row(rows[i]), x.cols * sizeof(float));
     else
-      NarrowToBf16(x.Row(rows[i]), x.cols, out.Bf16Row(i));
+      FloatsToBf16Bits(x.Row(rows[i]), x.cols, out.Bf16Row(i));
   }
   return absl::OkStatus();
 }
@@ -373,7 +368,7 @@ absl::Status CpuBackend::DoDownloadRows(ConstMatrixView y, ActivationRows* out) 
     if (out->precision() == Precision::kFP32) {
       std::memcpy(static_cast<float*>(out->data()) + r * y.cols, y.Row(r), y.cols * sizeof(float));
     } else {
-      NarrowToBf16(y.Row(r), y.cols, static_cast<uint16_t*>(out->data()) + r * y.cols);
+      FloatsToBf16Bits(y.Row(r), y.cols, static_cast<uint16_t*>(out->data()) + r * y.cols);
     }
   }
   return absl::OkStatus();

@@ -25,7 +25,7 @@ inline PackedRows PackRows(const std::vector<float>& x, int64_t m, int64_t k, We
                            Precision p) {
   PackedRows out;
   out.stride = cpu::PaddedK(k);
-  const size_t elem = p == Precision::kBF16 ? 2 : 4;
+  const size_t elem = ElementBytes(p);
   out.bytes.resize(m * out.stride * elem);
   for (int64_t i = 0; i < m; ++i)
     cpu::PackActivationRow(x.data() + i * k, k, f, p, out.bytes.data() + i * out.stride * elem);
@@ -106,7 +106,7 @@ inline ::testing::AssertionResult PackMatchesPortable(cpu::PackRowFn pack, Weigh
   std::normal_distribution<float> normal(0.0f, 3.0f);
   std::vector<float> x(k);
   for (float& v : x) v = normal(rng);
-  const size_t bytes = cpu::PaddedK(k) * (p == Precision::kBF16 ? 2 : 4);
+  const size_t bytes = cpu::PaddedK(k) * ElementBytes(p);
   std::vector<uint8_t> want(bytes, 0xAB), got(bytes, 0xCD);  // different garbage: padding too
   cpu::PackActivationRow(x.data(), k, f, p, want.data());
   pack(x.data(), k, f, p, got.data());

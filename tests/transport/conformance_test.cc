@@ -404,7 +404,7 @@ absl::Status RunStep(GatewayTransport& transport, Ranks& ranks, const StepData& 
         const RankPart& part = step.dispatch.parts[i];
         seen.push_back(part.rank);
         const int64_t cells = part.rows.rows * part.rows.cols;
-        const int64_t row_bytes = step.dispatch.precision == Precision::kBF16 ? 2 : 4;
+        const int64_t row_bytes = static_cast<int64_t>(ElementBytes(step.dispatch.precision));
         if (wire) {
           EXPECT_GE(stats.bytes_sent, cells * row_bytes) << "rank " << part.rank;
           EXPECT_LT(stats.bytes_sent, cells * row_bytes + part.rows.rows * 64 + 1024);
